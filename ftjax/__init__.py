@@ -1,0 +1,7 @@
+"""ftjax: run Mixture-of-Experts LLMs larger than accelerator memory on one accelerator
+plus host RAM, in JAX. See README.md for the architecture."""
+
+from ftjax.model import Model, load
+
+__all__ = ["Model", "load"]
+__version__ = "0.1.0"

@@ -1,0 +1,320 @@
+"""Hugging Face checkpoint folder -> (ModelConfig, device parameters, host expert pool).
+
+Design
+- Tensor names are normalised in two steps: the family's `KEY_ALIASES` (e.g. Mixtral's
+  `block_sparse_moe.experts.{e}.w1` -> `mlp.experts.{e}.gate_proj`), then one canonical
+  table of regexes (`CANONICAL`) mapping each HF name to either a parameter path of the
+  Flax model (with a transpose: HF Linear weights are [out, in], ours [in, out]) or a
+  slice of the host expert pool.
+- Routed experts go straight into the `HostExpertPool` (layer-contiguous, 64-byte
+  aligned, HF fused layout gate_up [Lm, E, 2F, D], down [Lm, E, D, F]) in their stored
+  precision (bf16 as uint16, else float32): the pool is the source of truth the expert
+  executor serves from. Per-expert (`experts.{e}.gate_proj`) and fused
+  (`experts.gate_up_proj`) layouts are both accepted, per layer.
+- Everything is checked before it is used: safetensors headers are validated by the
+  `safetensors` library (truncated or corrupt files fail there and are reported with
+  the file name), every tensor name must map somewhere, every expected tensor must be
+  present exactly once, and every shape must match the config. Errors name the file
+  and the tensor. Nothing is written to disk.
+- Data is read through `np.memmap` at the offsets of the safetensors header, so bf16
+  needs no numpy dtype support and large shards are not read twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from ftjax.config import ModelConfig, read_config_json
+from ftjax.experts.pool import HostExpertPool
+from ftjax.models import config_from_hf, family
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and tensor."""
+
+
+# safetensors dtype -> (numpy storage dtype, pool/param dtype name)
+_DTYPES = {"F32": (np.float32, "float32"), "BF16": (np.uint16, "bfloat16"), "F16": (np.float16, "float16")}
+
+# Canonical HF name -> target. Targets: ("param", path-template, transpose) or
+# ("expert", part) where part is gate / up / down (per expert) or gate_up / down_fused.
+_L = r"model\.layers\.(?P<layer>\d+)\."
+CANONICAL: list[tuple[re.Pattern, tuple]] = [
+    (re.compile(r"model\.embed_tokens\.weight"), ("param", "embed", False)),
+    (re.compile(r"model\.norm\.weight"), ("param", "norm.weight", False)),
+    (re.compile(r"lm_head\.weight"), ("param", "lm_head", True)),
+    (re.compile(_L + r"input_layernorm\.weight"), ("param", "layers.{layer}.attn_norm.weight", False)),
+    (re.compile(_L + r"post_attention_layernorm\.weight"), ("param", "layers.{layer}.mlp_norm.weight", False)),
+    (re.compile(_L + r"self_attn\.(?P<p>[qkvo])_proj\.weight"), ("param", "layers.{layer}.attn.w{p}", True)),
+    (re.compile(_L + r"self_attn\.(?P<p>[qkvo])_proj\.bias"), ("param", "layers.{layer}.attn.b{p}", False)),
+    (re.compile(_L + r"self_attn\.(?P<p>[qk])_norm\.weight"), ("param", "layers.{layer}.attn.{p}_norm.weight", False)),
+    (re.compile(_L + r"mlp\.(?P<p>gate|up|down)_proj\.weight"), ("param", "layers.{layer}.mlp.w_{p}", True)),
+    (re.compile(_L + r"mlp\.gate\.weight"), ("param", "layers.{layer}.moe.w_router", True)),
+    (re.compile(_L + r"mlp\.shared_expert\.(?P<p>gate|up|down)_proj\.weight"), ("param", "layers.{layer}.moe.shared.w_{p}", True)),
+    (re.compile(_L + r"mlp\.shared_expert_gate\.weight"), ("param", "layers.{layer}.moe.w_shared_gate", True)),
+    (re.compile(_L + r"mlp\.experts\.(?P<expert>\d+)\.(?P<p>gate|up|down)_proj\.weight"), ("expert", "{p}")),
+    (re.compile(_L + r"mlp\.experts\.gate_up_proj"), ("expert", "gate_up")),
+    (re.compile(_L + r"mlp\.experts\.down_proj"), ("expert", "down_fused")),
+]
+# Names real checkpoints carry that hold nothing the model needs.
+IGNORED = [re.compile(r".*rotary_emb\.inv_freq")]
+
+
+@dataclass
+class TensorRef:
+    """Where one tensor's bytes live."""
+
+    name: str  # the HF name as stored
+    file: Path
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        np_dtype = _DTYPES[self.dtype][0]
+        return np.memmap(self.file, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    params: dict[str, np.ndarray]  # dotted param path -> array [in, out] layout, float32
+    pool: HostExpertPool
+    dtype: str  # stored precision of the weights: float32 | bfloat16 | float16
+    path: Path
+
+
+# ---- files ------------------------------------------------------------------------
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists shard {f.name}, which is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise CheckpointError(f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
+
+
+def read_header(path: Path) -> list[TensorRef]:
+    """Validate a safetensors file with the library, then list its tensors and offsets."""
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    refs = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; ftjax reads F32, BF16 and F16")
+        start, end = info["data_offsets"]
+        refs.append(TensorRef(name, path, info["dtype"], tuple(info["shape"]), base + start, end - start))
+    return refs
+
+
+# ---- name mapping ---------------------------------------------------------------------
+
+def canonical_name(name: str, aliases: list[tuple[str, str]]) -> str:
+    for pattern, repl in aliases:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def classify(name: str) -> tuple[tuple, dict[str, str]] | None:
+    for pattern, target in CANONICAL:
+        m = pattern.fullmatch(name)
+        if m:
+            return target, m.groupdict()
+    return None
+
+
+def expected_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> shape of every device parameter (derived from the Flax model)."""
+    from flax import nnx
+
+    from ftjax.models.common import CausalLM
+
+    _, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)))
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in state.flat_state()}
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+class _Progress:
+    """A one-line stderr progress bar for checkpoints large enough to take a while."""
+
+    def __init__(self, total_bytes: int, min_bytes: int = 256 << 20):
+        self.total, self.done, self.enabled = total_bytes, 0, total_bytes >= min_bytes and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.enabled:
+            frac = self.done / max(self.total, 1)
+            gbps = self.done / max(time.perf_counter() - self.t0, 1e-9) / 1e9
+            bar = "#" * int(30 * frac)
+            print(f"\rloading [{bar:<30}] {frac:6.1%} {gbps:5.2f} GB/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def _to_f32(ref: TensorRef) -> np.ndarray:
+    a = ref.read()
+    if ref.dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a, dtype=np.float32)
+
+
+def _expert_storage(ref: TensorRef, pool_dtype: str) -> np.ndarray:
+    """Tensor in the pool's storage dtype: uint16 bf16 bits or float32."""
+    a = ref.read()
+    if pool_dtype == "bfloat16":
+        return a  # only BF16 checkpoints get a bf16 pool
+    return _to_f32(ref)
+
+
+def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> Checkpoint:
+    """Read and check a HF MoE checkpoint folder.
+
+    expert_dtype: storage of the host expert pool, "bfloat16" or "float32"; default:
+    bfloat16 for bf16 checkpoints, float32 otherwise.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: model folder not found")
+    hf = read_config_json(model_dir)
+    cfg = config_from_hf(hf)
+    aliases = family(cfg.model_type).KEY_ALIASES
+
+    refs: dict[str, TensorRef] = {}
+    for path in safetensors_files(model_dir):
+        for ref in read_header(path):
+            if ref.name in refs:
+                raise CheckpointError(f"{path}: tensor {ref.name} also appears in {refs[ref.name].file.name}")
+            refs[ref.name] = ref
+    stored = {r.dtype for n, r in refs.items()}
+    ckpt_dtype = _DTYPES["BF16"][1] if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
+    pool_dtype = expert_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")
+    if pool_dtype == "bfloat16" and any(r.dtype != "BF16" for n, r in refs.items() if ".experts." in canonical_name(n, aliases)):
+        pool_dtype = "float32"  # converting other precisions to bf16 would lose bits silently
+
+    shapes = expected_param_shapes(cfg)
+    Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
+    pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
+    params: dict[str, np.ndarray] = {}
+    expert_seen: dict[tuple[int, int | None, str], str] = {}  # (moe layer, expert|None, part) -> name
+    progress = _Progress(sum(r.nbytes for r in refs.values()))
+
+    for name, ref in sorted(refs.items()):
+        canon = canonical_name(name, aliases)
+        hit = classify(canon)
+        if hit is None:
+            if any(p.fullmatch(canon) for p in IGNORED) or (cfg.tie_embeddings and canon == "lm_head.weight"):
+                continue
+            raise CheckpointError(f"{ref.file}: unexpected tensor {name} (not part of a {cfg.model_type} model)")
+        target, groups = hit
+        layer = int(groups.get("layer", -1))
+        if layer >= cfg.num_layers:
+            raise CheckpointError(f"{ref.file}: tensor {name} is for layer {layer}, but the config has {cfg.num_layers} layers")
+        if target[0] == "param":
+            path = target[1].format(**groups)
+            if path not in shapes:
+                raise CheckpointError(f"{ref.file}: unexpected tensor {name} (the config has no {path})")
+            shape = ref.shape[::-1] if target[2] else ref.shape
+            if tuple(shape) != shapes[path] or (target[2] and len(ref.shape) != 2):
+                want = shapes[path][::-1] if target[2] else shapes[path]
+                raise CheckpointError(f"{ref.file}: tensor {name} has shape {list(ref.shape)}, expected {list(want)}")
+            arr = _to_f32(ref)
+            params[path] = np.ascontiguousarray(arr.T if target[2] else arr)
+        else:
+            if not cfg.moe_layers[layer]:
+                raise CheckpointError(f"{ref.file}: unexpected tensor {name}: layer {layer} is a dense layer in this config")
+            m = cfg.moe_index(layer)
+            part = target[1].format(**groups)
+            expert = int(groups["expert"]) if "expert" in groups and groups["expert"] is not None else None
+            if expert is not None and expert >= E:
+                raise CheckpointError(f"{ref.file}: tensor {name} is for expert {expert}, but the config has {E} experts")
+            want = {"gate": (F, D), "up": (F, D), "down": (D, F), "gate_up": (E, 2 * F, D), "down_fused": (E, D, F)}[part]
+            if ref.shape != want:
+                raise CheckpointError(f"{ref.file}: tensor {name} has shape {list(ref.shape)}, expected {list(want)}")
+            data = _expert_storage(ref, pool_dtype)
+            if part == "gate":
+                pool.gate_up[m, expert, :F] = data
+            elif part == "up":
+                pool.gate_up[m, expert, F:] = data
+            elif part == "down":
+                pool.down[m, expert] = data
+            elif part == "gate_up":
+                pool.gate_up[m] = data
+            else:
+                pool.down[m] = data
+            expert_seen[(m, expert, part)] = name
+        progress.update(ref.nbytes)
+    progress.close()
+
+    missing = [p for p in shapes if p not in params]
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors for {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    _check_experts(model_dir, cfg, expert_seen)
+    pool.freeze()
+    return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir)
+
+
+def _check_experts(model_dir: Path, cfg: ModelConfig, seen: dict) -> None:
+    """Each MoE layer must be covered exactly once: fused pair or all per-expert triplets."""
+    for m, layer in enumerate(cfg.moe_layer_ids):
+        fused = [(m, None, p) in seen for p in ("gate_up", "down_fused")]
+        per_expert = [(m, e, p) in seen for e in range(cfg.num_experts) for p in ("gate", "up", "down")]
+        if all(fused) and not any(per_expert):
+            continue
+        if any(fused) and any(per_expert):
+            raise CheckpointError(f"{model_dir}: layer {layer} has both fused and per-expert expert tensors")
+        if any(fused):
+            part = "down_proj" if fused[0] else "gate_up_proj"
+            raise CheckpointError(f"{model_dir}: missing tensor model.layers.{layer}.mlp.experts.{part}")
+        for e in range(cfg.num_experts):
+            for p in ("gate", "up", "down"):
+                if (m, e, p) not in seen:
+                    raise CheckpointError(f"{model_dir}: missing tensor model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight")
+
+
+def param_state(params: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Dotted paths -> nested dict (the shape `nnx.State` is built from)."""
+    nested: dict[str, Any] = {}
+    for path, value in params.items():
+        node = nested
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(int(p) if p.isdigit() else p, {})
+        node[leaf] = value
+    return nested

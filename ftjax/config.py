@@ -1,0 +1,122 @@
+"""Model configuration: one frozen, hashable dataclass built from a Hugging Face config.json.
+
+Design: every family (qwen3_moe, qwen2_moe, mixtral, olmoe) is the same decoder with a
+few switches (q/k norm kind, qkv bias, shared expert, which layers are MoE, sliding
+windows). `ModelConfig` holds those switches as plain data so the model code never
+branches on `model_type`; each family file only translates its HF config and tensor
+names into this form. Because the dataclass is frozen and hashable it can be closed
+over by jitted functions without retracing.
+
+Real checkpoints spell the same field several ways (`num_experts` vs
+`num_local_experts`, `rope_theta` at the top level or inside `rope_parameters`), so
+`hf_get` looks a field up through its known aliases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+# Field -> the names real HF configs use for it, in order of preference.
+HF_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts"),
+    "d_ff_expert": ("moe_intermediate_size", "expert_intermediate_size"),
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads"),
+    "num_heads": ("num_attention_heads", "n_heads", "n_head"),
+    "num_layers": ("num_hidden_layers", "n_layers", "n_layer"),
+    "d_model": ("hidden_size", "d_model", "n_embd"),
+    "max_position": ("max_position_embeddings", "max_seq_len", "n_positions"),
+    "rms_norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "norm_eps"),
+    "tie_embeddings": ("tie_word_embeddings",),
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that ftjax cannot run, with the reason and the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs to know about a checkpoint's architecture."""
+
+    model_type: str
+    vocab_size: int
+    d_model: int  # D
+    num_layers: int  # L
+    num_heads: int  # H
+    num_kv_heads: int  # G
+    head_dim: int
+    d_ff: int  # F of dense MLP layers (0 when every layer is MoE)
+    d_ff_expert: int  # F of one routed expert
+    num_experts: int  # E
+    top_k: int  # K
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP (False)
+    sliding_windows: tuple[int, ...]  # per layer: window size, 0 = full attention
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qk_norm: str = "none"  # "none" | "head" (per head, Qwen3) | "full" (whole width, OLMoE)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None
+    shared_expert_d_ff: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False  # sigmoid-gated shared expert (Qwen2-MoE)
+    tie_embeddings: bool = False
+    max_position: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    # ---- derived sizes ------------------------------------------------------------
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Decoder-layer index of each MoE layer, in order (MoE layer m -> decoder layer)."""
+        return tuple(i for i, is_moe in enumerate(self.moe_layers) if is_moe)
+
+    @property
+    def num_moe_layers(self) -> int:  # Lm
+        return sum(self.moe_layers)
+
+    def moe_index(self, layer: int) -> int:
+        """Position of decoder layer `layer` among the MoE layers."""
+        return self.moe_layer_ids.index(layer)
+
+
+def hf_get(hf: dict[str, Any], field: str, default: Any = dataclasses.MISSING) -> Any:
+    """Read `field` from an HF config dict through its known aliases."""
+    for name in HF_ALIASES.get(field, (field,)):
+        if hf.get(name) is not None:
+            return hf[name]
+    if default is dataclasses.MISSING:
+        names = " / ".join(HF_ALIASES.get(field, (field,)))
+        raise ConfigError(f"config.json has no {names}")
+    return default
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    """`rope_theta` sits at the top level (v4 configs) or inside `rope_parameters` (v5)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported yet (only the default RoPE)")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    return float(theta if theta is not None else 10000.0)
+
+
+def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the model folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None

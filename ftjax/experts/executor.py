@@ -1,0 +1,227 @@
+"""The expert executor: where each routed (token, expert) assignment runs, decided and
+bookkept inside the jitted step.
+
+    router ids [N, K] ──► U = unique selected experts of this record (mask [E])
+                          │
+              slot table ─┤ hits = U ∩ resident      misses = U \\ resident (m of them)
+                          │ q = q_table[m], capped by free+evictable slots
+                          │ fetched = q most recently used misses; host = the rest
+                          │ victims = free slots, then oldest-stamped residents ∉ U
+                          ▼
+        device part: hits + fetched, from cache slots      host part: `host` ids
+        (fetched rows copied pool -> cache first)           (C++ kernel via ftjax.host)
+                          └──────────── y = y_device + y_host ────────────┘
+
+A *record* is one call of the executor: one MoE layer of one step (decode: 1 token;
+prefill: all prompt tokens of the layer). State (a pytree of device arrays, donated
+through the step):
+    cache      {"gate_up": [slots, 2F, D], "down": [slots, D, F]}   storage dtype
+    slot_of    [Lm*E] int32   global expert id (layer*E + e) -> slot, -1 = not resident
+    id_of_slot [slots] int32  slot -> global expert id, -1 = free
+    stamp      [Lm*E] int32   last record that selected the expert (0 = never)
+    t          [] int32       record counter
+    codes      [Lm, E] int8   this step's outcome per expert: 0 unused, 1 hit,
+                              2 fetched, 3 host (the telemetry log; read lazily)
+The host pool itself enters as `pool` {"gate_up": [Lm, E, 2F, D], "down": [Lm, E, D, F]},
+a read-only device view (zero-copy on the CPU backend).
+
+Exact rules are those of `ftjax.lab` (the offline simulator is the test oracle); the
+policy table is in `policy.py`. bf16 weights are stored as uint16 and converted to f32
+per expert at use (XLA CPU would otherwise convert whole buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.policy import Policy, q_table, static_residents
+
+HIT, FETCHED, HOST = 1, 2, 3
+# Above this many assignments per record, the device path loops over experts instead
+# of over assignments (prefill).
+_ASSIGNMENT_LOOP_MAX = 64
+
+HostFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # (x, layer, ids, w) -> y
+
+
+def as_f32(w: jax.Array) -> jax.Array:
+    """Storage (uint16 bf16 bits or float) -> float32."""
+    if w.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32)
+    return w.astype(jnp.float32)
+
+
+def swiglu(gate_up: jax.Array, down: jax.Array, x: jax.Array) -> jax.Array:
+    """One expert: gate_up [2F, D], down [D, F], x [N, D] -> [N, D]."""
+    F = down.shape[-1]
+    h = x @ as_f32(gate_up).T  # [N, 2F]
+    return (jax.nn.silu(h[:, :F]) * h[:, F:]) @ as_f32(down).T
+
+
+def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """y [N, D] = Σ_k weights[n,k] · expert_{rows[n,k]}(x[n]); rows index gate_up/down's
+    first axis ([R, 2F, D], [R, D, F]); rows < 0 are skipped."""
+    N, K = rows.shape
+    x32 = x.astype(jnp.float32)
+    if N * K <= _ASSIGNMENT_LOOP_MAX:
+        def one(y, a):  # scan over assignments: reads only the selected experts
+            n, k = a // K, a % K
+            r = rows[n, k]
+
+            def run(y):
+                g = jax.lax.dynamic_index_in_dim(gate_up, r, keepdims=False)
+                d = jax.lax.dynamic_index_in_dim(down, r, keepdims=False)
+                out = swiglu(g, d, jax.lax.dynamic_slice_in_dim(x32, n, 1))[0]
+                return y.at[n].add(weights[n, k].astype(jnp.float32) * out)
+
+            return jax.lax.cond(r >= 0, run, lambda y: y, y), None
+
+        y, _ = jax.lax.scan(one, jnp.zeros_like(x32), jnp.arange(N * K))
+        return y.astype(x.dtype)
+
+    R = gate_up.shape[0]
+    # combine [N, R]: routing weight of each token for each row (0 when unused)
+    combine = jnp.zeros((N, R), jnp.float32).at[jnp.arange(N)[:, None], jnp.maximum(rows, 0)].add(
+        jnp.where(rows >= 0, weights.astype(jnp.float32), 0.0))
+    used = jnp.any(combine != 0, axis=0)  # [R]
+
+    def per_row(y, r):  # scan over rows: each used expert streams once for all tokens
+        def run(y):
+            out = swiglu(gate_up[r], down[r], x32)
+            return y + combine[:, r][:, None] * out
+        return jax.lax.cond(used[r], run, lambda y: y, y), None
+
+    y, _ = jax.lax.scan(per_row, jnp.zeros_like(x32), jnp.arange(R))
+    return y.astype(x.dtype)
+
+
+def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """U as a mask [E]: experts chosen by at least one valid token. ids [N, K], valid [N]."""
+    K = ids.shape[1]
+    return jnp.zeros(num_experts, bool).at[ids.reshape(-1)].max(jnp.repeat(valid, K))
+
+
+class Executor:
+    """A policy bound to a pool geometry; `__call__` is traced into the model's steps."""
+
+    def __init__(self, policy: Policy, *, num_layers: int, num_experts: int, slots: int,
+                 transfer_ratio: float, host_fn: HostFn | None, residents: np.ndarray | None = None):
+        self.policy, self.num_layers, self.num_experts = policy, num_layers, num_experts
+        self.slots = slots if policy.uses_slots else 0
+        if policy.uses_slots and not 1 <= self.slots <= num_layers * num_experts:
+            raise ValueError(f"cache_slots must be in 1..{num_layers * num_experts} for policy {policy.name!r}, got {slots}")
+        if policy.name != "device" and host_fn is None:
+            raise ValueError(f"policy {policy.name!r} needs the host expert kernel")
+        self.host_fn = host_fn
+        self.ratio = transfer_ratio
+        self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1]
+        self.residents = residents if residents is not None else np.zeros(0, np.int32)
+
+    # ---- state -------------------------------------------------------------------------
+    def init_state(self, pool_gate_up: np.ndarray, pool_down: np.ndarray) -> dict[str, Any]:
+        """Fresh state: empty cache, or the policy's pinned experts copied in."""
+        Lm, E = self.num_layers, self.num_experts
+        state: dict[str, Any] = {"codes": jnp.zeros((Lm, E), jnp.int8)}
+        if not self.policy.uses_slots:
+            return state
+        S = self.slots
+        gu_shape, dn_shape = pool_gate_up.shape[2:], pool_down.shape[2:]
+        cache_gu = np.zeros((S, *gu_shape), pool_gate_up.dtype)
+        cache_dn = np.zeros((S, *dn_shape), pool_down.dtype)
+        slot_of = np.full(Lm * E, -1, np.int32)
+        id_of_slot = np.full(S, -1, np.int32)
+        for slot, g in enumerate(self.residents[:S]):
+            cache_gu[slot], cache_dn[slot] = pool_gate_up[g // E, g % E], pool_down[g // E, g % E]
+            slot_of[g], id_of_slot[slot] = slot, g
+        state.update(
+            cache={"gate_up": jnp.asarray(cache_gu), "down": jnp.asarray(cache_dn)},
+            slot_of=jnp.asarray(slot_of), id_of_slot=jnp.asarray(id_of_slot),
+            stamp=jnp.zeros(Lm * E, jnp.int32), t=jnp.zeros((), jnp.int32),
+        )
+        return state
+
+    # ---- one record ------------------------------------------------------------------------
+    def __call__(self, layer: int, x, ids, weights, valid, state, pool):
+        """x [N, D], ids/weights [N, K], valid [N] -> y [N, D], state."""
+        ids = jnp.where(valid[:, None], ids, -1)
+        sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
+        if self.policy.name == "device":
+            y = device_ffn(pool["gate_up"][layer], pool["down"][layer], x, ids, weights)
+            return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
+        if self.policy.name == "host":
+            y = self.host_fn(x, jnp.int32(layer), ids, weights)
+            return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HOST, 0).astype(jnp.int8))}
+        return self._cached(layer, x, ids, weights, sel, state, pool)
+
+    def _cached(self, layer, x, ids, weights, sel, state, pool):
+        E, S = self.num_experts, self.slots
+        base = layer * E
+        gidx = base + jnp.arange(E, dtype=jnp.int32)  # [E] global ids of this layer
+        slot_of, id_of_slot, stamp = state["slot_of"], state["id_of_slot"], state["stamp"]
+        t = state["t"] + 1
+
+        resident = slot_of[gidx] >= 0
+        hit, miss = sel & resident, sel & ~resident
+        n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
+        q = jnp.minimum(jnp.asarray(self.q_of_misses)[n_miss], S - n_hit)
+
+        # fetched = the q misses used most recently (never = stamp 0 = oldest), ties -> lower id
+        recency = jnp.where(miss, -stamp[gidx], jnp.iinfo(jnp.int32).max)
+        order = jnp.argsort(recency, stable=True)
+        rank = jnp.zeros(E, jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
+        fetched = miss & (rank < q)
+        host = miss & ~fetched
+
+        # victim order: free slots (by index), then residents not in U by (stamp, global id)
+        occupant = id_of_slot  # [S]
+        free = occupant < 0
+        occ = jnp.maximum(occupant, 0)
+        needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free
+        klass = jnp.where(free, 0, jnp.where(needed, 2, 1))
+        slot_ids = jnp.arange(S, dtype=jnp.int32)
+        candidates = jnp.lexsort((jnp.where(free, 0, occ), jnp.where(free, slot_ids, stamp[occ]), klass))
+        fetch_pos = jnp.cumsum(fetched) - 1  # i-th fetched expert in ascending id order
+        target = jnp.where(fetched, candidates[jnp.clip(fetch_pos, 0, S - 1)], -1)  # [E] slot per fetched
+
+        oob = slot_of.shape[0]  # out-of-bounds index: dropped by mode="drop"
+        evicted = jnp.where(fetched, occupant[jnp.maximum(target, 0)], -1)  # [E]
+        slot_of = slot_of.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
+        slot_of = slot_of.at[jnp.where(fetched, gidx, oob)].set(target, mode="drop")
+        id_of_slot = id_of_slot.at[jnp.where(fetched, target, S)].set(gidx, mode="drop")
+        stamp = stamp.at[jnp.where(sel, gidx, oob)].set(t, mode="drop")
+
+        # transfer: copy each fetched expert's rows pool -> its cache slot
+        fetched_ids = jnp.nonzero(fetched, size=E, fill_value=0)[0]
+        n_fetched = jnp.sum(fetched)
+
+        def copy(i, cache):
+            e = fetched_ids[i]
+            s = target[e]
+            gu = jax.lax.dynamic_index_in_dim(pool["gate_up"][layer], e, keepdims=True)
+            dn = jax.lax.dynamic_index_in_dim(pool["down"][layer], e, keepdims=True)
+            return {"gate_up": jax.lax.dynamic_update_index_in_dim(cache["gate_up"], gu, s, 0),
+                    "down": jax.lax.dynamic_update_index_in_dim(cache["down"], dn, s, 0)}
+
+        cache = jax.lax.fori_loop(0, n_fetched, copy, state["cache"])
+
+        on_device = hit | fetched
+        safe = jnp.maximum(ids, 0)
+        dev_rows = jnp.where((ids >= 0) & on_device[safe], slot_of[base + safe], -1)
+        host_ids = jnp.where((ids >= 0) & host[safe], ids, -1)
+        y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights)
+        y = y + self.host_fn(x, jnp.int32(layer), host_ids, weights).astype(y.dtype)
+
+        codes = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
+        return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
+                   "t": t, "codes": state["codes"].at[layer].set(codes)}
+
+
+def make_executor(policy: Policy, *, num_layers: int, num_experts: int, slots: int, transfer_ratio: float,
+                  host_fn: HostFn | None, frequency: np.ndarray | None = None) -> Executor:
+    residents = static_residents(policy, slots, num_layers, num_experts, frequency)
+    return Executor(policy, num_layers=num_layers, num_experts=num_experts, slots=slots,
+                    transfer_ratio=transfer_ratio, host_fn=host_fn, residents=residents)

@@ -1,0 +1,72 @@
+"""Tiny random Hugging Face MoE checkpoints built offline with transformers (test-only).
+
+Random init routes almost uniformly and tends to repeat one token, so weights are
+drawn with a larger `initializer_range` and norm weights are perturbed: routing then
+differs per token and greedy continuations are informative.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+            pad_token_id=None)
+
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(num_experts=6, moe_intermediate_size=16, num_experts_per_tok=2, head_dim=8,
+                      intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=5, moe_intermediate_size=16, num_experts_per_tok=2, intermediate_size=40,
+                      shared_expert_intermediate_size=24, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, intermediate_size=16, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=6, intermediate_size=16, num_experts_per_tok=3, clip_qkv=4.0),
+}
+
+
+def build(model_type: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    kwargs = {**BASE, **FAMILY_CONFIGS[model_type], **overrides}
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def save(model, path: Path, *, fused: bool = False, dtype=None, max_shard_size=None) -> Path:
+    """save_pretrained (per-expert tensors) or the raw state_dict (fused experts)."""
+    path = Path(path)
+    if dtype is not None:
+        model = model.to(dtype)
+    if fused:
+        from safetensors.torch import save_file
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(path / "model.safetensors"))
+    else:
+        kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, **kw)
+    if dtype is not None:
+        model.float()
+    return path
+
+
+def hf_logits(model, ids) -> "torch.Tensor":
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, ids, n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
