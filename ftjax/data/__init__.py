@@ -1,0 +1,1 @@
+"""Data for training and benchmarks: the checksummed text corpus (see ``corpus``)."""
