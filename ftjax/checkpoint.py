@@ -163,7 +163,7 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from ftjax.models.common import CausalLM
 
     _, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)))
-    return {".".join(map(str, path)): tuple(v.shape) for path, v in state.flat_state()}
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 
 
 # ---- loading ----------------------------------------------------------------------------

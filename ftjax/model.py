@@ -252,9 +252,9 @@ def _initial_xstate(executor, pool) -> dict:
 
 
 def _param_state(graphdef_state, params: dict[str, np.ndarray]):
-    flat = graphdef_state.flat_state()
-    leaves = [(path, v.replace(jnp.asarray(params[".".join(map(str, path))]))) for path, v in flat]
-    return nnx.State.from_flat_path(leaves) if hasattr(nnx.State, "from_flat_path") else nnx.from_flat_state(leaves)
+    leaves = [(path, v.replace(jnp.asarray(params[".".join(map(str, path))])))
+              for path, v in nnx.to_flat_state(graphdef_state)]
+    return nnx.from_flat_state(leaves)
 
 
 def load(path: str | Path | None = None, *, policy: str = "device", cache_slots: int | None = None,
