@@ -1,0 +1,128 @@
+"""The heterogeneous expert executor: every policy computes the same function as
+`device`, its counters add up, and its per-record decisions equal an offline replay of
+the LRU rules (`ftjax.lab.lru.simulate_lru`) on the same selections."""
+
+import numpy as np
+import pytest
+
+import ftjax
+import hf_models
+from ftjax.experts.policy import adaptive_q, transfer_ratio
+from ftjax.lab.lru import first_mismatch, simulate_lru
+from ftjax.lab.trace import Trace
+
+PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 96, size=12)]
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def setup(request, tmp_path_factory):
+    family = request.param
+    hf = hf_models.build(family, seed=11, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[])
+    path = hf_models.save(hf, tmp_path_factory.mktemp(family))
+    ref = ftjax.load(path)
+    steps = []
+    tokens = list(ref.generate_stream(PROMPT, NEW, step_logits=steps))
+    return path, tokens, np.stack(steps), ref.config
+
+
+def run(path, **kw):
+    model = ftjax.load(path, threads=2, **kw)
+    steps = []
+    tokens = list(model.generate_stream(PROMPT, NEW, step_logits=steps))
+    return model, tokens, np.stack(steps)
+
+
+def assert_same_function(setup, model, tokens, logits):
+    _, ref_tokens, ref_logits, _ = setup
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5 * np.abs(ref_logits).max(), rtol=0)
+
+
+def assert_counters(model):
+    s = model.stats()
+    assert s["selections"] > 0
+    assert s["hits"] + s["misses"] == s["selections"]
+    assert s["misses"] == s["fetched"] + s["host_computed"]
+    log = model.expert_log()
+    assert sum(len(r["selected"]) for r in log) == s["selections"]
+    assert {r["phase"] for r in log} == {"prefill", "decode"}
+    return log
+
+
+def replay(model, log, slots, policy, bandwidth):
+    cfg = model.config
+    trace = Trace.from_records(log, cfg.num_moe_layers, cfg.num_experts)
+    return simulate_lru(trace, slots, policy, bandwidth)
+
+
+@pytest.mark.parametrize("policy", ["host", "static-layer", "static-frequency", "lru-host-only", "lru-transfer-only"])
+def test_policies_compute_the_device_function(setup, policy):
+    path, *_, cfg = setup
+    total = cfg.num_moe_layers * cfg.num_experts
+    kw = {} if policy == "host" else {"cache_slots": total // 2}
+    if policy == "static-frequency":
+        kw["frequency"] = np.random.RandomState(0).randint(0, 50, size=(cfg.num_moe_layers, cfg.num_experts))
+    model, tokens, logits = run(path, policy=policy, **kw)
+    assert_same_function(setup, model, tokens, logits)
+    log = assert_counters(model)
+    s = model.stats()
+    if policy in ("host", "lru-host-only", "static-layer", "static-frequency"):
+        assert s["fetched"] == 0
+    if policy == "host":
+        assert s["hits"] == 0
+    if policy == "static-layer":  # exactly the first slots // E layers are resident
+        resident_layers = (total // 2) // cfg.num_experts
+        assert all((r["layer"] < resident_layers) == (not r["host"]) for r in log if r["selected"])
+    if policy.startswith("lru"):
+        assert first_mismatch(replay(model, log, total // 2, policy, None), log) is None
+
+
+@pytest.mark.parametrize("slots_frac", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("bandwidth", [(1.0, 4.0), (49.0, 53.8), (5.0, 1.0)])
+def test_lru_matches_offline_replay(setup, slots_frac, bandwidth):
+    path, *_, cfg = setup
+    total = cfg.num_moe_layers * cfg.num_experts
+    slots = max(1, int(slots_frac * total))
+    model, tokens, logits = run(path, policy="lru", cache_slots=slots, bandwidth=bandwidth)
+    assert_same_function(setup, model, tokens, logits)
+    log = assert_counters(model)
+    lab = replay(model, log, slots, "lru", bandwidth)
+    assert first_mismatch(lab, log) is None
+    s = model.stats()
+    assert {k: s[k] for k in lab.totals()} == lab.totals()
+    # the device slot table ends exactly where the replay's does
+    np.testing.assert_array_equal(np.asarray(model._xstate["id_of_slot"]), lab.final_slot_table)
+    # q follows the rule: fetched = min(q*(m), slots - hits) in every record
+    r = transfer_ratio(*bandwidth)
+    for rec in log:
+        m = len(rec["fetched"]) + len(rec["host"])
+        assert len(rec["fetched"]) == min(adaptive_q(m, r), slots - len(rec["hits"]))
+
+
+def test_cache_persists_and_clears(setup):
+    path, *_, cfg = setup
+    model, *_ = run(path, policy="lru-transfer-only", cache_slots=cfg.num_moe_layers * cfg.num_experts)
+    model.reset_stats()
+    model.generate(PROMPT, 4)
+    warm = model.stats()
+    assert warm["misses"] == 0  # everything fetched by the first run is still resident
+    model.clear_expert_cache()
+    model.reset_stats()
+    model.generate(PROMPT, 4)
+    cold = model.stats()
+    assert cold["misses"] > 0 and cold["fetched"] == cold["misses"]
+
+
+def test_cache_bytes_and_bad_settings(setup):
+    path, *_ = setup
+    probe = ftjax.load(path)
+    eb = probe.checkpoint.pool.expert_bytes
+    model = ftjax.load(path, policy="lru-transfer-only", cache_bytes=3.5 * eb)
+    assert model.stats()["cache_slots"] == 3
+    with pytest.raises(ValueError, match="cache_slots"):
+        ftjax.load(path, policy="lru")
+    with pytest.raises(ValueError, match="unknown policy"):
+        ftjax.load(path, policy="fifo")
+    with pytest.raises(ValueError, match="cache_slots must be in"):
+        ftjax.load(path, policy="lru-transfer-only", cache_slots=10_000)
