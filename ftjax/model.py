@@ -29,7 +29,8 @@ from ftjax.checkpoint import Checkpoint, load_checkpoint
 from ftjax.config import ModelConfig
 from ftjax.engine.sampling import sample
 from ftjax.engine.steps import Steps
-from ftjax.experts.executor import FETCHED, HIT, HOST, make_executor
+from ftjax.engine.streamed import StreamedPrefill, stream_threshold
+from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
 from ftjax.experts.policy import get_policy, transfer_ratio
 from ftjax.models.common import CausalLM, empty_kv_cache
 
@@ -56,6 +57,7 @@ class _Timing:
     decode_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    bytes_streamed: int = 0
 
 
 @dataclass
@@ -87,6 +89,9 @@ class Model:
     _xstate: Any = field(repr=False)
     _log: list = field(default_factory=list, repr=False)
     _timing: _Timing = field(default_factory=_Timing, repr=False)
+    _streamed: StreamedPrefill | None = field(default=None, repr=False)
+    prefill_mode: str = "auto"  # "auto" | "cached" | "streamed"
+    stream_threshold: int = 0  # prompt length from which "auto" streams
     _step: int = 0
     last_generation: GenerationStats | None = None
 
@@ -107,18 +112,42 @@ class Model:
                 f"(max_seq_len; leave room for at least one new token)")
         return arr.astype(np.int32)
 
+    def _padded(self, ids: np.ndarray, cache_len: int) -> jax.Array:
+        tokens = np.zeros((1, min(bucket(ids.size), cache_len)), np.int32)  # [B, T bucket]
+        tokens[0, : ids.size] = ids
+        return jnp.asarray(tokens)
+
+    def streams(self, num_tokens: int) -> bool:
+        """Whether a prompt of this length takes the streamed prefill path."""
+        if self._streamed is None or self.prefill_mode == "cached":
+            return False
+        return self.prefill_mode == "streamed" or num_tokens >= self.stream_threshold
+
     def _prefill(self, ids: np.ndarray, cache_len: int, all_logits: bool):
         T = ids.size
-        tb = min(bucket(T), cache_len)
-        tokens = np.zeros((1, tb), np.int32)
-        tokens[0, :T] = ids
+        tokens = self._padded(ids, cache_len)
         kv = empty_kv_cache(self.config, 1, cache_len)
         t0 = time.perf_counter()
-        logits, kv, self._xstate, codes = self._steps.prefill(
-            self._params, kv, self._xstate, self._pool_dev, jnp.asarray(tokens), jnp.int32(0), jnp.int32(T),
-            all_logits=all_logits)
+        if self.streams(T):
+            logits, kv, codes, nbytes = self._streamed.run(
+                self._params, kv, self._xstate, self.checkpoint.pool, tokens, T, all_logits=all_logits)
+            self._timing.bytes_streamed += nbytes
+        else:
+            logits, kv, self._xstate, codes = self._steps.prefill(
+                self._params, kv, self._xstate, self._pool_dev, tokens, jnp.int32(0), jnp.int32(T),
+                all_logits=all_logits)
         self._record("prefill", codes)
         return logits, kv, t0
+
+    def prefill_breakdown(self, ids: Sequence[int]) -> dict[str, float]:
+        """Streamed prefill of `ids`, timed three ways: pipelined (T_prefill), transfers
+        alone (T_transfer) and compute alone with every block preloaded (T_compute)."""
+        if self._streamed is None:
+            raise ValueError(f"policy {self.policy!r} keeps every expert on the device: nothing to stream")
+        arr = self._check_ids(ids)
+        cache_len = bucket(arr.size)
+        return self._streamed.breakdown(self._params, lambda: empty_kv_cache(self.config, 1, cache_len),
+                                        self._xstate, self.checkpoint.pool, self._padded(arr, cache_len), arr.size)
 
     def _record(self, phase: str, codes: jax.Array) -> None:
         self._step += 1
@@ -213,20 +242,24 @@ class Model:
                 c = codes[layer]
                 out.append({"step": rec.step, "layer": layer, "phase": rec.phase,
                             "selected": np.flatnonzero(c).tolist(), "hits": np.flatnonzero(c == HIT).tolist(),
-                            "fetched": np.flatnonzero(c == FETCHED).tolist(), "host": np.flatnonzero(c == HOST).tolist()})
+                            "fetched": np.flatnonzero(c == FETCHED).tolist(), "host": np.flatnonzero(c == HOST).tolist(),
+                            "streamed": np.flatnonzero(c == STREAMED).tolist()})
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Cumulative counters since load or reset_stats()."""
-        counts = np.zeros(4, np.int64)
+        """Cumulative counters since load or reset_stats().
+
+        selections = hits + misses; misses = fetched + host_computed + streamed, where
+        `streamed` counts prefill experts that arrived in a streamed layer block."""
+        counts = np.zeros(5, np.int64)
         for rec in self._log:
-            counts += np.bincount(np.asarray(rec.codes).ravel().astype(np.int64), minlength=4)[:4]
-        hits, fetched, host = int(counts[HIT]), int(counts[FETCHED]), int(counts[HOST])
+            counts += np.bincount(np.asarray(rec.codes).ravel().astype(np.int64), minlength=5)[:5]
+        hits, fetched, host, streamed = (int(counts[c]) for c in (HIT, FETCHED, HOST, STREAMED))
         t = self._timing
         return {
             "policy": self.policy, "cache_slots": self._steps.executor.slots,
-            "selections": hits + fetched + host, "hits": hits, "misses": fetched + host,
-            "fetched": fetched, "host_computed": host,
+            "selections": hits + fetched + host + streamed, "hits": hits, "misses": fetched + host + streamed,
+            "fetched": fetched, "host_computed": host, "streamed": streamed, "bytes_streamed": t.bytes_streamed,
             "bytes_fetched": fetched * self.checkpoint.pool.expert_bytes,
             "bytes_host": host * self.checkpoint.pool.expert_bytes,
             "prefill_s": t.prefill_s, "decode_s": t.decode_s,
@@ -260,14 +293,18 @@ def _param_state(graphdef_state, params: dict[str, np.ndarray]):
 def load(path: str | Path | None = None, *, policy: str = "device", cache_slots: int | None = None,
          cache_bytes: int | None = None, bandwidth: tuple[float, float] | None = None, threads: int | None = None,
          max_seq_len: int | None = None, expert_dtype: str | None = None,
-         frequency: np.ndarray | None = None) -> Model:
+         frequency: np.ndarray | None = None, prefill: str = "auto",
+         prefill_stream_threshold: int | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder (None = the embedded default model).
 
     policy: where experts run (`ftjax.experts.policy.POLICIES`); cache_slots / cache_bytes:
     size of the device expert cache; bandwidth: (B_P, B_H) in GB/s, overriding the
     measured profile; threads: host kernel worker threads; frequency [Lm, E]: selection
-    counts for static-frequency.
+    counts for static-frequency; prefill: "auto" (stream whole MoE layers once a prompt
+    reaches `prefill_stream_threshold` tokens), "cached" or "streamed".
     """
+    if prefill not in ("auto", "cached", "streamed"):
+        raise ValueError(f"prefill must be 'auto', 'cached' or 'streamed', got {prefill!r}")
     model_dir = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if path is None and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from {model_dir}")
@@ -303,7 +340,10 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         from ftjax.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(model_dir)
     max_len = min(max_seq_len or cfg.max_position, cfg.max_position)
+    streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers) if pol.name != "device" else None
+    threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     return Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                  bandwidth=bandwidth, _graphdef=graphdef, _params=params,
                  _pool_dev={"gate_up": jnp.asarray(pool.gate_up), "down": jnp.asarray(pool.down)},
-                 _steps=Steps(graphdef, executor), _xstate=_initial_xstate(executor, pool))
+                 _steps=Steps(graphdef, executor), _xstate=_initial_xstate(executor, pool),
+                 _streamed=streamed, prefill_mode=prefill, stream_threshold=threshold)

@@ -21,7 +21,7 @@ through the step):
     stamp      [Lm*E] int32   last record that selected the expert (0 = never)
     t          [] int32       record counter
     codes      [Lm, E] int8   this step's outcome per expert: 0 unused, 1 hit,
-                              2 fetched, 3 host (the telemetry log; read lazily)
+                              2 fetched, 3 host, 4 streamed (the telemetry log; read lazily)
 The host pool itself enters as `pool` {"gate_up": [Lm, E, 2F, D], "down": [Lm, E, D, F]},
 a read-only device view (zero-copy on the CPU backend).
 
@@ -40,7 +40,7 @@ import numpy as np
 
 from ftjax.experts.policy import Policy, q_table, static_residents
 
-HIT, FETCHED, HOST = 1, 2, 3
+HIT, FETCHED, HOST, STREAMED = 1, 2, 3, 4
 # Above this many assignments per record, the device path loops over experts instead
 # of over assignments (prefill).
 _ASSIGNMENT_LOOP_MAX = 64
@@ -218,6 +218,28 @@ class Executor:
         codes = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
         return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
                    "t": t, "codes": state["codes"].at[layer].set(codes)}
+
+
+    # ---- one streamed prefill record ---------------------------------------------------------
+    def streamed(self, layer: int, x, ids, weights, valid, state, block):
+        """Prefill with the layer's experts streamed in as one block (`block`: gate_up
+        [E, 2F, D], down [E, D, F] on the device). Experts resident in the decode cache
+        run from their slots (hits) and were not sent; the rest run from the block.
+        The decode cache, stamps and counter are left untouched."""
+        ids = jnp.where(valid[:, None], ids, -1)
+        sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
+        safe = jnp.maximum(ids, 0)
+        y = jnp.zeros_like(x)
+        hit = jnp.zeros_like(sel)
+        if self.policy.uses_slots:
+            slot = state["slot_of"][layer * self.num_experts + jnp.arange(self.num_experts)]
+            hit = sel & (slot >= 0)
+            rows = jnp.where((ids >= 0) & hit[safe], slot[safe], -1)
+            y = device_ffn(state["cache"]["gate_up"], state["cache"]["down"], x, rows, weights)
+        rows = jnp.where((ids >= 0) & ~hit[safe], ids, -1)
+        y = y + device_ffn(block["gate_up"], block["down"], x, rows, weights)
+        codes = jnp.where(hit, HIT, jnp.where(sel, STREAMED, 0)).astype(jnp.int8)
+        return y, {**state, "codes": state["codes"].at[layer].set(codes)}
 
 
 def make_executor(policy: Policy, *, num_layers: int, num_experts: int, slots: int, transfer_ratio: float,

@@ -228,17 +228,27 @@ class CausalLM(nnx.Module):
         logits_at [B] (optional): compute logits only at that query index -> [B, 1, V].
         """
         B, T = tokens.shape
-        positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
-        rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.embed[...][tokens]  # [B, T, D]
+        positions, rope = self.positions(start, B, T)
+        x = self.embed_tokens(tokens)
         for layer in self.layers:
             x, kv, expert_state = layer(x, positions, start, valid, rope, kv, experts, expert_state)
+        return self.head(x, logits_at), kv, expert_state
+
+    def positions(self, start, batch: int, length: int):
+        """positions [B, T] from start, and their RoPE (cos, sin) [B, T, hd]."""
+        positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return positions, rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens]  # [B, T, D]
+
+    def head(self, x: jax.Array, logits_at=None) -> jax.Array:
+        """Final norm + LM head -> f32 logits [B, T, V] (or [B, 1, V] at logits_at [B])."""
         if logits_at is not None:
-            x = x[jnp.arange(B), logits_at][:, None]  # [B, 1, D]
+            x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # [B, 1, D]
         x = self.norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = (x @ head).astype(jnp.float32)
-        return logits, kv, expert_state
+        return (x @ head).astype(jnp.float32)
 
 
 def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=jnp.float32) -> dict[str, jax.Array]:

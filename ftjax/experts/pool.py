@@ -1,0 +1,175 @@
+"""Host expert pool: every MoE layer's experts in host RAM, the runtime's source of truth.
+
+Layout (Hugging Face fused form; the loader, the device cache and the C++ kernels
+all index it the same way). Letters: Lm MoE layers, E experts, D model dim,
+F expert FFN dim.
+
+    gate_up [Lm, E, 2F, D]   rows 0..F-1 gate_proj, rows F..2F-1 up_proj
+    down    [Lm, E, D, F]
+
+Every weight row is one contiguous dot product, so a kernel streams an expert
+front to back. Storage is float32 or bfloat16 kept as its uint16 bit pattern
+(numpy has no bf16 arithmetic and XLA CPU would convert whole buffers; see
+DESIGN.md section 3). Arrays are 64-byte aligned, which lets `jax.device_put`
+alias them on the CPU backend and keeps SIMD loads on cache lines, and they are
+read-only once built: the FFI handler holds raw pointers into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ALIGNMENT = 64
+DTYPES = ("float32", "bfloat16")
+_STORAGE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
+
+
+def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
+    """Uninitialised array whose data pointer is a multiple of `alignment`.
+
+    The array is a view of a slightly larger uint8 buffer that numpy owns (kept
+    alive through `.base`), so no custom deallocator is needed.
+    """
+    dtype = np.dtype(dtype)
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(num_bytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + num_bytes].view(dtype).reshape(shape)
+
+
+def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
+    return a.ctypes.data % alignment == 0
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit pattern (uint16), round to nearest even; NaN stays NaN."""
+    a = np.asarray(a, dtype=np.float32)
+    bits = np.ascontiguousarray(a).reshape(a.shape).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+    rounded = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | np.uint32(0x0040)).astype(np.uint16)
+    return rounded
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit pattern (uint16) -> float32, exact."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _as_storage(a: np.ndarray) -> tuple[np.ndarray, str]:
+    """Any accepted input (float32, uint16 bf16 bits, ml_dtypes.bfloat16) -> storage."""
+    a = np.asarray(a)
+    if a.dtype == np.float32:
+        return a, "float32"
+    if a.dtype == np.uint16:
+        return a, "bfloat16"
+    if a.dtype.name == "bfloat16":  # ml_dtypes.bfloat16: same bits
+        return a.view(np.uint16), "bfloat16"
+    raise TypeError(f"expert weights must be float32 or bfloat16, got {a.dtype}")
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """A view of `a` if it is already aligned and contiguous, else an aligned copy."""
+    if is_aligned(a) and a.flags.c_contiguous:
+        return a.view()  # freezing the view leaves the caller's array flags alone
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class HostExpertPool:
+    """All experts of all MoE layers in aligned host memory (see module docstring)."""
+
+    gate_up: np.ndarray  # [Lm, E, 2F, D]
+    down: np.ndarray  # [Lm, E, D, F]
+    dtype: str  # "float32" | "bfloat16" (stored as uint16 bits)
+
+    def __post_init__(self):
+        lm, e, two_f, d = self.gate_up.shape
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if two_f % 2 or self.down.shape != (lm, e, d, two_f // 2):
+            raise ValueError(
+                f"gate_up {self.gate_up.shape} and down {self.down.shape} are not "
+                "[Lm, E, 2F, D] and [Lm, E, D, F]"
+            )
+        for a in (self.gate_up, self.down):
+            if a.dtype != _STORAGE[self.dtype] or not a.flags.c_contiguous or not is_aligned(a):
+                raise ValueError("pool arrays must be C-contiguous, 64-byte aligned storage dtype")
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_experts: int, d_model: int, d_ff: int,
+                 dtype: str = "bfloat16") -> HostExpertPool:
+        """Writable, uninitialised pool for a loader to fill; call `freeze()` after."""
+        storage = _STORAGE[canonical_dtype(dtype)]
+        gate_up = aligned_empty((num_layers, num_experts, 2 * d_ff, d_model), storage)
+        down = aligned_empty((num_layers, num_experts, d_model, d_ff), storage)
+        return cls(gate_up, down, canonical_dtype(dtype))
+
+    @classmethod
+    def from_arrays(cls, gate_up: np.ndarray, down: np.ndarray) -> HostExpertPool:
+        """Frozen pool from existing arrays: float32, bf16 bits (uint16) or
+        ml_dtypes.bfloat16. Copied only if unaligned or not contiguous; otherwise the
+        pool shares their memory and the caller must not write to them afterwards."""
+        gate_up, dtype = _as_storage(gate_up)
+        down, down_dtype = _as_storage(down)
+        if dtype != down_dtype:
+            raise TypeError(f"gate_up is {dtype} but down is {down_dtype}")
+        return cls(_aligned(gate_up), _aligned(down), dtype).freeze()
+
+    def freeze(self) -> HostExpertPool:
+        self.gate_up.flags.writeable = False
+        self.down.flags.writeable = False
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return not (self.gate_up.flags.writeable or self.down.flags.writeable)
+
+    @property
+    def num_layers(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[1]
+
+    @property
+    def d_model(self) -> int:
+        return self.gate_up.shape[3]
+
+    @property
+    def d_ff(self) -> int:
+        return self.down.shape[3]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate_up + down)."""
+        return self.gate_up[0, 0].nbytes + self.down[0, 0].nbytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.expert_bytes * self.num_experts
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layer_bytes * self.num_layers
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views (no copy): gate_up [2F, D], down [D, F] of expert e in MoE layer `layer`."""
+        return self.gate_up[layer, e], self.down[layer, e]
+
+
+def canonical_dtype(dtype) -> str:
+    """'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 -> 'bfloat16'; f32 alike."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "uint16": "bfloat16",
+               "f32": "float32", "fp32": "float32", "float32": "float32"}
+    if name not in aliases:
+        raise ValueError(f"unsupported expert dtype {dtype!r}")
+    return aliases[name]

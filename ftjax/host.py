@@ -1,0 +1,175 @@
+"""The host boundary: the ONLY module whose code crosses from a jitted program into
+host (CPU) expert compute.
+
+    jitted step --(x [T,D], layer [], ids [T,K], weights [T,K])--> expert_ffn --> y [T,D]
+        CPU backend:  jax.ffi.ffi_call -> C++ XLA FFI handler (~0.5 us, async dispatch kept)
+        other:        jax.pure_callback -> the same C++ kernel through nanobind (portable)
+
+Both paths run the kernel in `host_kernels/` (SwiGLU over experts read in place
+from the `HostExpertPool`, on a persistent `ThreadPool`), so results agree up to
+float rounding. The FFI handler receives the pool's base addresses and the thread
+pool's address as static attributes and the layer / expert ids as operands: one
+compile serves every layer and every expert. Those addresses are raw pointers: the
+`HostExecutor` owns the pool and the threads and must outlive every program traced
+with it. The choice of path is data (`Boundary`), made in `default_boundary`.
+
+Letters: Lm MoE layers, E experts, D model dim, F expert FFN dim, T tokens, K top-k.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import _host_kernels as _hk
+from ftjax.experts.pool import HostExpertPool, bf16_bits_to_f32
+
+FFI_TARGET = "ftjax_expert_ffn"
+
+
+class Boundary(enum.Enum):
+    """How a jitted program reaches the host kernel."""
+
+    FFI_CPU = "ffi_cpu"  # XLA FFI custom call; CPU backend only
+    CALLBACK = "callback"  # jax.pure_callback; any backend (copies, syncs, slower)
+
+
+class Isa(enum.Enum):
+    """Which SIMD path the kernel uses (AUTO: the widest one the CPU has)."""
+
+    AUTO = _hk.ISA_AUTO
+    SCALAR = _hk.ISA_SCALAR
+    AVX2 = _hk.ISA_AVX2  # AVX2 + FMA
+    AVX512 = _hk.ISA_AVX512  # AVX-512 F
+
+
+def has_avx2() -> bool:
+    return _hk.has_avx2()
+
+
+def available_isas() -> list[Isa]:
+    """The explicit ISAs this CPU can run, narrowest first (what AUTO picks is last)."""
+    supported = {Isa.SCALAR: True, Isa.AVX2: _hk.has_avx2(), Isa.AVX512: _hk.has_avx512()}
+    return [isa for isa, ok in supported.items() if ok]
+
+
+def default_threads() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_boundary(platform: str | None = None) -> Boundary:
+    """The one place that maps a backend to a host-boundary strategy."""
+    platform = platform or jax.default_backend()
+    return Boundary.FFI_CPU if platform == "cpu" else Boundary.CALLBACK
+
+
+@functools.cache
+def _register_ffi_target() -> str:
+    jax.ffi.register_ffi_target(FFI_TARGET, _hk.ffi_expert_ffn(), platform="cpu")
+    return FFI_TARGET
+
+
+class HostExecutor:
+    """Runs expert FFNs on the CPU, reading weights in place from a frozen pool."""
+
+    def __init__(self, pool: HostExpertPool, threads: int | None = None,
+                 isa: Isa | str = Isa.AUTO):
+        if not pool.frozen:
+            raise ValueError("freeze() the pool first: the kernels hold raw pointers into it")
+        self.pool = pool
+        self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
+        self._threads = _hk.ThreadPool(threads or default_threads())
+
+    @property
+    def num_threads(self) -> int:
+        return self._threads.num_threads
+
+    def expert_ffn(self, x, layer, ids, weights, *, boundary: Boundary | str | None = None) -> jax.Array:
+        """y [T, D] f32 = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); ids < 0 are skipped.
+
+        Callable inside `jax.jit` with traced x [T, D], layer [] (int), ids [T, K]
+        (int), weights [T, K]; cast to f32 / s32 here. T is static (one compile per T).
+        """
+        boundary = Boundary(boundary) if boundary else default_boundary()
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()),
+                jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32))
+        if boundary is Boundary.FFI_CPU:
+            return self._ffi_call(*args)
+        return self._callback(*args)
+
+    def expert_ffn_numpy(self, x, layer, ids, weights, out: np.ndarray | None = None) -> np.ndarray:
+        """Same computation, called directly from numpy (no jit); releases the GIL."""
+        x = np.ascontiguousarray(x, np.float32)  # [T, D]
+        y = np.empty_like(x) if out is None else out  # [T, D]
+        _hk.expert_ffn(self.pool.gate_up, self.pool.down, int(layer), x,
+                       np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32),
+                       y, self._threads, self.isa.value)
+        return y
+
+    def _ffi_attributes(self) -> dict:
+        p = self.pool
+        return dict(
+            gate_up_ptr=np.int64(p.gate_up.ctypes.data), down_ptr=np.int64(p.down.ctypes.data),
+            num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
+            d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
+            dtype=np.int32(_hk.DTYPE_BF16 if p.dtype == "bfloat16" else _hk.DTYPE_F32),
+            pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value))
+
+    def _ffi_call(self, x, layer, ids, weights):
+        call = jax.ffi.ffi_call(_register_ffi_target(), jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        return call(x, layer, ids, weights, **self._ffi_attributes())
+
+    def _callback(self, x, layer, ids, weights):
+        out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        return jax.pure_callback(self._callback_host, out, x, layer, ids, weights)
+
+    def _callback_host(self, x, layer, ids, weights) -> np.ndarray:
+        return self.expert_ffn_numpy(np.asarray(x), int(np.asarray(layer)), np.asarray(ids),
+                                     np.asarray(weights))
+
+
+def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 20,
+                           repeats: int = 5, isa: Isa = Isa.AUTO) -> list[float]:
+    """GB/s of each of `repeats` passes summing a `num_bytes` buffer with `threads`
+    workers (after a warm-up pass): the read bandwidth that a kernel streaming expert
+    weights cannot beat."""
+    pool = _hk.ThreadPool(threads or default_threads())
+    return list(_hk.read_bandwidth_gbps(pool, num_bytes, repeats, isa.value))
+
+
+def read_bandwidth_gbps(threads: int | None = None, num_bytes: int = 256 << 20,
+                        repeats: int = 5, isa: Isa = Isa.AUTO) -> float:
+    """Median of `read_bandwidth_samples`."""
+    return statistics.median(read_bandwidth_samples(threads, num_bytes, repeats, isa))
+
+
+def _weights_f64(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        a = bf16_bits_to_f32(a)
+    return a.astype(np.float64)
+
+
+def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: np.ndarray,
+                         ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """numpy (float64) reference of the kernel: gate_up [Lm, E, 2F, D], down
+    [Lm, E, D, F] (float32 or bf16 bits), x [T, D], ids / weights [T, K] -> y [T, D]."""
+    d_ff = down.shape[-1]
+    x = np.asarray(x, np.float64)
+    y = np.zeros_like(x)  # [T, D]
+    for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):
+        e = ids[t, k]
+        gu = _weights_f64(gate_up[layer, e]) @ x[t]  # [2F]
+        gate, up = gu[:d_ff], gu[d_ff:]
+        h = gate / (1.0 + np.exp(-gate)) * up  # [F]
+        y[t] += weights[t, k] * (_weights_f64(down[layer, e]) @ h)
+    return y.astype(np.float32)

@@ -1,0 +1,271 @@
+#include "expert_ffn.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+namespace ftjax {
+namespace {
+
+constexpr int64_t kGateUpTaskBytes = 256 << 10;  // weight bytes per phase-1 task
+constexpr int64_t kDownTaskBytes = 128 << 10;    // weight bytes per expert per phase-2 task
+constexpr int64_t kVecTileBytes = 96 << 10;      // activations kept hot while rows stream
+constexpr int64_t kTasksPerThread = 8;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
+
+// Scratch floats on 64-byte boundaries: a 512-bit load of a misaligned vector
+// touches two cache lines every time.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n)
+      : data_(static_cast<float*>(std::aligned_alloc(64, round_up(std::max<int64_t>(n, 1) * 4, 64)))) {
+    if (data_ == nullptr) throw std::bad_alloc();
+  }
+  ~AlignedFloats() { std::free(data_); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  float* data() const { return data_; }
+  float& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  float* data_;
+};
+
+// Tokens grouped by unique expert: pairs of (token, summed weight), ascending expert.
+struct Routing {
+  std::vector<int32_t> experts;  // [U] unique expert ids, ascending
+  std::vector<int64_t> begin;    // [U + 1] pair offsets of each unique expert
+  std::vector<int32_t> token;    // [P] token of each pair
+  std::vector<float> weight;     // [P] routing weight (repeats within a token summed)
+};
+
+bool repeated_in_token(const int32_t* ids_t, int64_t k) {
+  for (int64_t j = 0; j < k; ++j)
+    if (ids_t[j] == ids_t[k]) return true;
+  return false;
+}
+
+// Counting sort of the (token, choice) pairs by expert id.
+std::string group_by_expert(const TokenBatch& b, int64_t num_experts, Routing* r) {
+  std::vector<int64_t> count(num_experts, 0);
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    const int32_t* ids_t = b.ids + t * b.top_k;
+    for (int64_t k = 0; k < b.top_k; ++k) {
+      int32_t e = ids_t[k];
+      if (e < 0) continue;
+      if (e >= num_experts)
+        return "expert id " + std::to_string(e) + " >= num_experts " +
+               std::to_string(num_experts);
+      if (!repeated_in_token(ids_t, k)) ++count[e];
+    }
+  }
+  std::vector<int64_t> cursor(num_experts, -1);
+  int64_t num_pairs = 0;
+  r->begin.push_back(0);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (count[e] == 0) continue;
+    r->experts.push_back(static_cast<int32_t>(e));
+    cursor[e] = num_pairs;
+    num_pairs += count[e];
+    r->begin.push_back(num_pairs);
+  }
+  r->token.resize(num_pairs);
+  r->weight.resize(num_pairs);
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    const int32_t* ids_t = b.ids + t * b.top_k;
+    for (int64_t k = 0; k < b.top_k; ++k) {
+      int32_t e = ids_t[k];
+      if (e < 0) continue;
+      float w = b.weights[t * b.top_k + k];
+      if (repeated_in_token(ids_t, k)) {
+        r->weight[cursor[e] - 1] += w;  // this token is the latest pair of expert e
+      } else {
+        r->token[cursor[e]] = static_cast<int32_t>(t);
+        r->weight[cursor[e]++] = w;
+      }
+    }
+  }
+  return "";
+}
+
+float silu(float a) { return a / (1.f + std::exp(-a)); }
+
+// Work shared by every task of one call.
+struct Call {
+  const PoolView& pool;
+  const TokenBatch& batch;
+  const Routing& routing;
+  const DotTable& dots;
+  int64_t layout_block;   // layout of x_in and h, as `dots` expects (even_odd_pos)
+  int64_t layer;
+  const float* x_in;       // [T, D] batch.x in the layout, 64-byte aligned
+  const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in the layout
+};
+
+// dst [rows, n] = src reordered into the even/odd layout that bf16 SIMD dots expect.
+void to_layout(const float* src, int64_t rows, int64_t n, int64_t block, float* dst) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < n; ++i) dst[t * n + even_odd_pos(i, n, block)] = src[t * n + i];
+}
+
+const char* expert_base(const void* base, const Call& c, int64_t e, int64_t rows,
+                        int64_t cols) {
+  int64_t index = (c.layer * c.pool.num_experts + e) * rows * cols;
+  return static_cast<const char*>(base) + index * weight_bytes(c.pool.wtype);
+}
+
+constexpr int64_t kSubRows = 16;  // rows per block_dots call (stack buffers below)
+constexpr int64_t kMaxTile = 48;  // tokens per tile, a multiple of kMaxVecs
+
+// Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.
+int64_t vec_tile(int64_t len) {
+  const int64_t fit = kVecTileBytes / (len * 4) / kMaxVecs * kMaxVecs;
+  return std::min(kMaxTile, std::max<int64_t>(kMaxVecs, fit));
+}
+
+// out[r * num_vecs + j] = row_r . vecs[j] for `num_rows` consecutive rows starting at
+// `rows`. One token: rows go one at a time, a single sequential stream that the
+// prefetchers follow; several tokens: R x J tiles reuse each loaded weight J times.
+void block_dots(const DotTable& dots, const char* rows, int64_t row_bytes,
+                int64_t num_rows, const float* const* vecs, int64_t num_vecs, int64_t n,
+                float* out) {
+  if (num_vecs == 1) {
+    dots.gemv(rows, n, num_rows, vecs[0], n, out);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxRows) {
+    const int R = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r0));
+    const void* row_ptrs[kMaxRows];
+    for (int r = 0; r < R; ++r) row_ptrs[r] = rows + (r0 + r) * row_bytes;
+    for (int64_t j0 = 0; j0 < num_vecs; j0 += kMaxVecs) {
+      const int J = static_cast<int>(std::min<int64_t>(kMaxVecs, num_vecs - j0));
+      float tile[kMaxRows * kMaxVecs];
+      dots.fn[R][J](row_ptrs, vecs + j0, n, tile);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) out[(r0 + r) * num_vecs + j0 + j] = tile[r * J + j];
+    }
+  }
+}
+
+struct GateUpTask {
+  int64_t u, f0, f1;  // unique expert index, rows [f0, f1) of gate (and of up)
+};
+
+// h[p, f] = silu(gate_f . x_t) * (up_f . x_t) for pairs p of expert u, f in [f0, f1).
+void gate_up_task(const Call& c, const GateUpTask& task) {
+  const int64_t D = c.pool.d_model, F = c.pool.d_ff;
+  const int64_t row_bytes = D * weight_bytes(c.pool.wtype);
+  const char* gate = expert_base(c.pool.gate_up, c, c.routing.experts[task.u], 2 * F, D);
+  const char* up = gate + F * row_bytes;
+  const int64_t p_begin = c.routing.begin[task.u], p_end = c.routing.begin[task.u + 1];
+  const int64_t tile = vec_tile(D);
+  float a[kSubRows * kMaxTile], b[kSubRows * kMaxTile];  // [rows, tokens]
+  const float* vecs[kMaxTile];
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
+    const int64_t nt = std::min(p_end - p0, tile);
+    for (int64_t j = 0; j < nt; ++j) vecs[j] = c.x_in + c.routing.token[p0 + j] * D;
+    for (int64_t f0 = task.f0; f0 < task.f1; f0 += kSubRows) {
+      const int64_t nf = std::min(kSubRows, task.f1 - f0);
+      block_dots(c.dots, gate + f0 * row_bytes, row_bytes, nf, vecs, nt, D, a);
+      block_dots(c.dots, up + f0 * row_bytes, row_bytes, nf, vecs, nt, D, b);
+      for (int64_t f = 0; f < nf; ++f) {
+        const int64_t pos = even_odd_pos(f0 + f, F, c.layout_block);
+        for (int64_t j = 0; j < nt; ++j)
+          c.h[(p0 + j) * F + pos] = silu(a[f * nt + j]) * b[f * nt + j];
+      }
+    }
+  }
+}
+
+// y[:, d0:d1] = sum over experts u (ascending) of w_p * down_u[d0:d1] . h[p].
+void down_task(const Call& c, int64_t d0, int64_t d1) {
+  const int64_t D = c.pool.d_model, F = c.pool.d_ff;
+  const int64_t row_bytes = F * weight_bytes(c.pool.wtype);
+  float* y = c.batch.y;
+  for (int64_t t = 0; t < c.batch.num_tokens; ++t)
+    std::fill(y + t * D + d0, y + t * D + d1, 0.f);
+  const int64_t tile = vec_tile(F);
+  float out[kSubRows * kMaxTile];  // [rows, tokens]
+  const float* vecs[kMaxTile];
+  for (size_t u = 0; u < c.routing.experts.size(); ++u) {
+    const char* down = expert_base(c.pool.down, c, c.routing.experts[u], D, F);
+    const int64_t p_begin = c.routing.begin[u], p_end = c.routing.begin[u + 1];
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
+      const int64_t nt = std::min(p_end - p0, tile);
+      for (int64_t j = 0; j < nt; ++j) vecs[j] = c.h.data() + (p0 + j) * F;
+      for (int64_t r0 = d0; r0 < d1; r0 += kSubRows) {
+        const int64_t nr = std::min(kSubRows, d1 - r0);
+        block_dots(c.dots, down + r0 * row_bytes, row_bytes, nr, vecs, nt, F, out);
+        for (int64_t j = 0; j < nt; ++j) {
+          float* y_t = y + c.routing.token[p0 + j] * D + r0;
+          const float w = c.routing.weight[p0 + j];
+          for (int64_t r = 0; r < nr; ++r) y_t[r] += w * out[r * nt + j];
+        }
+      }
+    }
+  }
+}
+
+// Rows per task: bounded by bytes (a task's weights stay a cache-sized chunk) and by
+// balance (>= kTasksPerThread tasks per thread even for 1 token x 2 experts);
+// a multiple of 8, the row group of the gemv kernels' shared horizontal sums.
+int64_t task_rows(int64_t row_bytes, int64_t task_bytes, int64_t total_rows, int num_threads) {
+  const int64_t by_bytes = task_bytes / row_bytes;
+  const int64_t by_balance = ceil_div(total_rows, kTasksPerThread * num_threads);
+  return round_up(std::max<int64_t>(1, std::min(by_bytes, by_balance)), 8);
+}
+
+// Phase-1 tasks: (unique expert, block of F rows of gate and the same rows of up).
+std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
+                                     int num_threads) {
+  const int64_t F = pool.d_ff;
+  const int64_t rows = task_rows(2 * pool.d_model * weight_bytes(pool.wtype),
+                                 kGateUpTaskBytes, num_unique * F, num_threads);
+  std::vector<GateUpTask> tasks;
+  for (int64_t u = 0; u < num_unique; ++u)
+    for (int64_t f = 0; f < F; f += rows) tasks.push_back({u, f, std::min(F, f + rows)});
+  return tasks;
+}
+
+// Phase-2 tasks: blocks of D rows, each over all experts (disjoint outputs).
+int64_t plan_down_rows(const PoolView& pool, int num_threads) {
+  return task_rows(pool.d_ff * weight_bytes(pool.wtype), kDownTaskBytes, pool.d_model,
+                   num_threads);
+}
+
+}  // namespace
+
+std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& batch,
+                       ThreadPool* threads, Isa isa) {
+  if (layer < 0 || layer >= pool.num_layers)
+    return "layer " + std::to_string(layer) + " out of range [0, " +
+           std::to_string(pool.num_layers) + ")";
+  const Kernels* kernels = select_kernels(isa);
+  if (kernels == nullptr) return "requested ISA is not available on this CPU";
+  Routing routing;
+  std::string err = group_by_expert(batch, pool.num_experts, &routing);
+  if (!err.empty()) return err;
+
+  const int num_threads = threads ? threads->num_threads() : 1;
+  AlignedFloats h(routing.token.size() * pool.d_ff);
+  AlignedFloats x_in(batch.num_tokens * pool.d_model);
+  const int64_t block = kernels->layout_block(pool.wtype);
+  to_layout(batch.x, batch.num_tokens, pool.d_model, block, x_in.data());
+  Call call{pool, batch, routing, kernels->dots(pool.wtype), block, layer, x_in.data(), h};
+
+  const std::vector<GateUpTask> gate_up = plan_gate_up(pool, routing.experts.size(), num_threads);
+  parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task(call, gate_up[i]); });
+
+  const int64_t rows = plan_down_rows(pool, num_threads);
+  parallel_for(threads, ceil_div(pool.d_model, rows), [&](int64_t i) {
+    down_task(call, i * rows, std::min(pool.d_model, (i + 1) * rows));
+  });
+  return "";
+}
+
+}  // namespace ftjax

@@ -1,0 +1,68 @@
+#include "ffi_handler.h"
+
+#include <cstdint>
+#include <string>
+
+#include "expert_ffn.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using ftjax::Isa;
+using ftjax::WeightType;
+
+ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
+                           int64_t down_ptr, int64_t num_layers, int64_t num_experts,
+                           int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
+                           int32_t isa) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || xd[1] != d_model)
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: x must be [T, d_model]");
+  if (idd.size() != 2 || idd[0] != xd[0] || wd.size() != 2 || wd[0] != idd[0] ||
+      wd[1] != idd[1])
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: ids, weights must be [T, K]");
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != xd[1])
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: y must be [T, d_model]");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: layer must be a scalar");
+  if (dtype != 0 && dtype != 1)
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: unknown dtype code");
+
+  ftjax::PoolView pool{reinterpret_cast<const void*>(gate_up_ptr),
+                       reinterpret_cast<const void*>(down_ptr),
+                       num_layers,
+                       num_experts,
+                       d_model,
+                       d_ff,
+                       static_cast<WeightType>(dtype)};
+  ftjax::TokenBatch batch{x.typed_data(), ids.typed_data(), weights.typed_data(),
+                          y->typed_data(), xd[0], idd[1]};
+  std::string err = ftjax::expert_ffn(pool, layer.typed_data()[0], batch,
+                                      reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+                                      static_cast<Isa>(isa));
+  if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
+                                  .Attr<int64_t>("gate_up_ptr")
+                                  .Attr<int64_t>("down_ptr")
+                                  .Attr<int64_t>("num_layers")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("d_model")
+                                  .Attr<int64_t>("d_ff")
+                                  .Attr<int32_t>("dtype")
+                                  .Attr<int64_t>("pool_ptr")
+                                  .Attr<int32_t>("isa"));

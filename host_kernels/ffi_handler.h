@@ -1,0 +1,15 @@
+// XLA FFI handler (CPU platform) for the expert FFN.
+//
+// Operands: x [T, D] f32, layer [] s32, ids [T, K] s32, weights [T, K] f32.
+// Result:   y [T, D] f32.
+// Attributes (static, baked into the compiled program; one compile serves every
+// layer and expert id): gate_up_ptr, down_ptr (int64 base addresses of the host
+// pool), num_layers, num_experts, d_model, d_ff (int64), dtype (int32: 0 f32,
+// 1 bf16 bits), pool_ptr (int64 address of a ThreadPool, 0 = run inline), isa
+// (int32: 0 auto, 1 scalar, 2 avx2, 3 avx512). The Python owner keeps the pool arrays and
+// the ThreadPool alive while any program holding these addresses can run.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);

@@ -1,0 +1,99 @@
+// Portable micro-kernels: plain C++, no intrinsics. Eight independent partial sums
+// per dot keep the loop free of a serial dependency (and let a compiler vectorise
+// it without reassociating), so this path is a usable fallback, not a toy.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace ftjax {
+namespace {
+
+inline float to_f32(float w) { return w; }
+inline float to_f32(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename W, int R, int J>
+void dot_scalar(const void* const* rows_v, const float* const* vecs, int64_t n,
+                float* out) {
+  constexpr int kLanes = 8;
+  const W* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = static_cast<const W*>(rows_v[r]);
+  float acc[R][J][kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int r = 0; r < R; ++r) {
+      float w[kLanes];
+      for (int l = 0; l < kLanes; ++l) w[l] = to_f32(rows[r][i + l]);
+      for (int j = 0; j < J; ++j)
+        for (int l = 0; l < kLanes; ++l) acc[r][j][l] += w[l] * vecs[j][i + l];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < J; ++j) {
+      float s = 0.f;
+      for (int l = 0; l < kLanes; ++l) s += acc[r][j][l];
+      for (int64_t t = i; t < n; ++t) s += to_f32(rows[r][t]) * vecs[j][t];
+      out[r * J + j] = s;
+    }
+  }
+}
+
+template <typename W>
+void gemv_scalar(const void* rows, int64_t row_stride, int64_t num_rows, const float* vec,
+                 int64_t n, float* out) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const void* row = static_cast<const W*>(rows) + r * row_stride;
+    dot_scalar<W, 1, 1>(&row, &vec, n, out + r);
+  }
+}
+
+float sum_scalar(const float* data, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += data[i + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; i < n; ++i) s += data[i];
+  return s;
+}
+
+#define FTJAX_ROW(W, R) \
+  { nullptr, &dot_scalar<W, R, 1>, &dot_scalar<W, R, 2>, &dot_scalar<W, R, 3> }
+#define FTJAX_TABLE(W)                                                                     \
+  DotTable {                                                                               \
+    {{}, FTJAX_ROW(W, 1), FTJAX_ROW(W, 2), FTJAX_ROW(W, 3), FTJAX_ROW(W, 4)}, &gemv_scalar<W> \
+  }
+
+}  // namespace
+
+const Kernels& scalar_kernels() {
+  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), &sum_scalar, 0};
+  return k;
+}
+
+#undef FTJAX_ROW
+#undef FTJAX_TABLE
+
+const Kernels* select_kernels(Isa isa) {
+  const Kernels* avx2 = cpu_has_avx2_fma() ? avx2_kernels() : nullptr;
+  const Kernels* avx512 = cpu_has_avx512() ? avx512_kernels() : nullptr;
+  switch (isa) {
+    case Isa::kScalar:
+      return &scalar_kernels();
+    case Isa::kAvx2:
+      return avx2;
+    case Isa::kAvx512:
+      return avx512;
+    case Isa::kAuto:
+    default:
+      return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();
+  }
+}
+
+}  // namespace ftjax

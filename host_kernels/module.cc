@@ -1,0 +1,112 @@
+// nanobind module `ftjax._host_kernels`: numpy entry points into the host expert
+// kernels, the persistent ThreadPool, the XLA FFI handler as a PyCapsule, and the
+// read-bandwidth probe. Every long call releases the GIL. Pool arrays are taken
+// without conversion (a silent copy of a multi-GB pool would be a bug).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "bandwidth.h"
+#include "expert_ffn.h"
+#include "ffi_handler.h"
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ftjax {
+namespace {
+
+using Pool4 = nb::ndarray<nb::ro, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+using X2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Ids2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Y2 = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+WeightType weight_type_of(const Pool4& a) {
+  if (a.dtype() == nb::dtype<uint16_t>()) return WeightType::kBF16;
+  if (a.dtype() == nb::dtype<float>()) return WeightType::kF32;
+  throw std::invalid_argument("pool arrays must be float32 or uint16 (bf16 bits)");
+}
+
+// gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView.
+PoolView pool_view(const Pool4& gate_up, const Pool4& down) {
+  PoolView v{gate_up.data(), down.data(), (int64_t)gate_up.shape(0),
+             (int64_t)gate_up.shape(1), (int64_t)gate_up.shape(3),
+             (int64_t)gate_up.shape(2) / 2, weight_type_of(gate_up)};
+  if (weight_type_of(down) != v.wtype)
+    throw std::invalid_argument("gate_up and down must have the same dtype");
+  if (gate_up.shape(2) % 2 != 0 || v.d_model <= 0 || v.d_ff <= 0)
+    throw std::invalid_argument("gate_up must be [Lm, E, 2F, D] with D, F > 0");
+  if ((int64_t)down.shape(0) != v.num_layers || (int64_t)down.shape(1) != v.num_experts ||
+      (int64_t)down.shape(2) != v.d_model || (int64_t)down.shape(3) != v.d_ff)
+    throw std::invalid_argument("down must be [Lm, E, D, F] matching gate_up");
+  return v;
+}
+
+void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const X2& x,
+                   const Ids2& ids, const X2& weights, const Y2& y, ThreadPool* threads,
+                   int isa) {
+  PoolView pool = pool_view(gate_up, down);
+  const int64_t T = x.shape(0), K = ids.shape(1);
+  if ((int64_t)x.shape(1) != pool.d_model)
+    throw std::invalid_argument("x must be [T, D] with D = " + std::to_string(pool.d_model));
+  if ((int64_t)ids.shape(0) != T || (int64_t)weights.shape(0) != T ||
+      (int64_t)weights.shape(1) != K)
+    throw std::invalid_argument("ids and weights must both be [T, K]");
+  if ((int64_t)y.shape(0) != T || (int64_t)y.shape(1) != pool.d_model)
+    throw std::invalid_argument("y must be [T, D]");
+  TokenBatch batch{x.data(), ids.data(), weights.data(), y.data(), T, K};
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = expert_ffn(pool, layer, batch, threads, static_cast<Isa>(isa));
+  }
+  if (!err.empty()) throw std::invalid_argument(err);
+}
+
+std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, int repeats,
+                                      int isa) {
+  nb::gil_scoped_release release;
+  return read_bandwidth_gbps(threads, num_bytes, repeats, static_cast<Isa>(isa));
+}
+
+}  // namespace
+}  // namespace ftjax
+
+NB_MODULE(_host_kernels, m) {
+  using namespace ftjax;
+  m.doc() = "Host (CPU) expert kernels for ftjax: SwiGLU expert FFN, thread pool, XLA FFI.";
+
+  nb::class_<ThreadPool>(m, "ThreadPool",
+                         "Persistent worker threads; the caller is one of num_threads.")
+      .def(nb::init<int>(), "num_threads"_a = 0)
+      .def_prop_ro("num_threads", &ThreadPool::num_threads)
+      .def_prop_ro(
+          "address", [](ThreadPool& p) { return (int64_t)(intptr_t)&p; },
+          "Address passed to the FFI handler as the pool_ptr attribute.");
+
+  m.def("expert_ffn", &py_expert_ffn, "gate_up"_a.noconvert(), "down"_a.noconvert(),
+        "layer"_a, "x"_a, "ids"_a, "weights"_a, "y"_a.noconvert(), "threads"_a.none(),
+        "isa"_a = 0,
+        "y[t] = sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) for MoE layer `layer`; "
+        "writes y [T, D] in place.");
+  m.def("read_bandwidth_gbps", &py_read_bandwidth, "threads"_a.none(),
+        "num_bytes"_a = int64_t(256) << 20, "repeats"_a = 5, "isa"_a = 0,
+        "GB/s of each timed pass summing a num_bytes buffer.");
+  m.def("ffi_expert_ffn", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFfn)); },
+        "PyCapsule of the XLA FFI handler (CPU platform).");
+  m.def("has_avx2", &cpu_has_avx2_fma);
+  m.def("has_avx512", &cpu_has_avx512);
+  m.def("hardware_cores", &hardware_cores);
+  m.attr("ISA_AUTO") = (int)Isa::kAuto;
+  m.attr("ISA_SCALAR") = (int)Isa::kScalar;
+  m.attr("ISA_AVX2") = (int)Isa::kAvx2;
+  m.attr("ISA_AVX512") = (int)Isa::kAvx512;
+  m.attr("DTYPE_F32") = (int)WeightType::kF32;
+  m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
+}
