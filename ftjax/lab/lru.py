@@ -27,11 +27,11 @@ rather than recomputing floor/ceil in float32 on the device.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ftjax.experts.policy import adaptive_q
 from ftjax.lab.cache import CacheResult, FetchRule, Score, run_cache
 from ftjax.lab.trace import Trace
 
@@ -41,14 +41,9 @@ LRU_POLICIES = ("lru", "lru-transfer-only", "lru-host-only")
 
 
 def fetch_count(m: int, ratio: float) -> int:
-    """q for m misses at ratio r = B_P / B_H (clamped to [0, 1]); see rule 2."""
-    r = min(1.0, max(0.0, float(ratio)))
-    lo, hi = math.floor(m * r), math.ceil(m * r)
-
-    def cost(q: int) -> float:
-        return max(q * (1.0 - r), (m - q) * r)
-
-    return lo if cost(lo) <= cost(hi) else hi
+    """q for m misses at ratio r = B_P / B_H (clamped to [0, 1]); see rule 2. The same
+    function the runtime tabulates (`ftjax.experts.policy.adaptive_q`)."""
+    return adaptive_q(m, min(1.0, max(0.0, float(ratio))))
 
 
 def fetch_rule(policy: str, bandwidth: tuple[float, float] | None = None) -> FetchRule:

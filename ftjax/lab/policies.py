@@ -56,6 +56,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ftjax.experts.policy import POLICIES as POLICY_TABLE, static_residents
 from ftjax.lab.cache import (
     CacheResult,
     FetchRule,
@@ -222,18 +223,16 @@ class BeladyScore(Score):
 
 
 def frequency_pins(profile: Trace, slots: int) -> np.ndarray:
-    """Global ids of the `slots` most selected experts of `profile` (ties: lower id).
-
-    Fills every slot (unselected experts by id), as the runtime's static mask does.
-    """
+    """Global ids of the `slots` most selected experts of `profile` (ties: lower id);
+    the runtime's own rule (`ftjax.experts.policy.static_residents`), fed the trace's counts."""
     counts = np.bincount(profile.flat_ids(), minlength=profile.num_layers * profile.num_experts)
-    order = np.lexsort((np.arange(len(counts)), -counts))
-    return np.sort(order[: min(slots, len(counts))])
+    return static_residents(POLICY_TABLE["static-frequency"], slots, profile.num_layers, profile.num_experts,
+                            counts.reshape(profile.num_layers, profile.num_experts)).astype(np.int64)
 
 
 def layer_pins(num_layers: int, num_experts: int, slots: int) -> np.ndarray:
-    """Global ids of every expert of the first floor(slots / E) MoE layers."""
-    return np.arange(min(slots // num_experts, num_layers) * num_experts)
+    """Global ids of every expert of the first floor(slots / E) MoE layers (the runtime's rule)."""
+    return static_residents(POLICY_TABLE["static-layer"], slots, num_layers, num_experts).astype(np.int64)
 
 
 def _pinned_table(pins: np.ndarray, slots: int) -> np.ndarray:
