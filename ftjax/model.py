@@ -139,6 +139,39 @@ class Model:
         self._record("prefill", codes)
         return logits, kv, t0
 
+    def calibrate_prefill(self, max_tokens: int = 512, repeats: int = 3, seed: int = 0) -> dict:
+        """Measure cached vs streamed prefill per prompt bucket on this machine and set
+        `stream_threshold` to the smallest bucket from which streaming stays faster.
+        The cached runs fill the expert cache, so it is cleared afterwards.
+        Returns {"threshold", "buckets": [{"tokens", "cached_s", "streamed_s"}]}."""
+        if self._streamed is None:
+            raise ValueError(f"policy {self.policy!r} keeps every expert on the device: nothing to stream")
+        rng = np.random.default_rng(seed)
+        mode, rows = self.prefill_mode, []
+        n = _MIN_BUCKET
+        while n <= min(max_tokens, self.max_seq_len - 1):
+            ids = rng.integers(0, self.config.vocab_size, n).astype(np.int32)
+            row = {"tokens": n}
+            for path in ("cached", "streamed"):
+                self.prefill_mode = path
+                times = []
+                for _ in range(repeats + 1):  # the first run compiles
+                    self.clear_expert_cache()  # every run starts cold, as a new prompt would
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self._prefill(ids, n, all_logits=False)[0])
+                    times.append(time.perf_counter() - t0)
+                    self._log.pop()
+                    self._step -= 1
+                row[f"{path}_s"] = float(np.median(times[1:]))
+            rows.append(row)
+            n *= 2
+        self.prefill_mode = mode
+        self.clear_expert_cache()
+        faster = [r["streamed_s"] < r["cached_s"] for r in rows]
+        wins = [i for i in range(len(rows)) if all(faster[i:])]
+        self.stream_threshold = rows[wins[0]]["tokens"] if wins else self.max_seq_len
+        return {"threshold": self.stream_threshold, "buckets": rows}
+
     def prefill_breakdown(self, ids: Sequence[int]) -> dict[str, float]:
         """Streamed prefill of `ids`, timed three ways: pipelined (T_prefill), transfers
         alone (T_transfer) and compute alone with every block preloaded (T_compute)."""

@@ -15,19 +15,28 @@ PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 96, size=12)]
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+_SETUPS = {}
+
+
+def family_setup(family, tmp_path_factory):
+    """A tiny random model of `family` and its `device`-policy reference run (cached)."""
+    if family not in _SETUPS:
+        hf = hf_models.build(family, seed=11, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[])
+        path = hf_models.save(hf, tmp_path_factory.mktemp(family))
+        ref = ftjax.load(path)
+        steps = []
+        tokens = list(ref.generate_stream(PROMPT, NEW, step_logits=steps))
+        _SETUPS[family] = (path, tokens, np.stack(steps), ref.config)
+    return _SETUPS[family]
+
+
+@pytest.fixture
 def setup(request, tmp_path_factory):
-    family = request.param
-    hf = hf_models.build(family, seed=11, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[])
-    path = hf_models.save(hf, tmp_path_factory.mktemp(family))
-    ref = ftjax.load(path)
-    steps = []
-    tokens = list(ref.generate_stream(PROMPT, NEW, step_logits=steps))
-    return path, tokens, np.stack(steps), ref.config
+    return family_setup(getattr(request, "param", "qwen3_moe"), tmp_path_factory)
 
 
 def run(path, **kw):
-    model = ftjax.load(path, threads=2, **kw)
+    model = ftjax.load(path, threads=2, prefill="cached", **kw)  # the LRU rules govern the cached path
     steps = []
     tokens = list(model.generate_stream(PROMPT, NEW, step_logits=steps))
     return model, tokens, np.stack(steps)
@@ -56,7 +65,11 @@ def replay(model, log, slots, policy, bandwidth):
     return simulate_lru(trace, slots, policy, bandwidth)
 
 
-@pytest.mark.parametrize("policy", ["host", "static-layer", "static-frequency", "lru-host-only", "lru-transfer-only"])
+@pytest.mark.parametrize("setup,policy", [
+    ("qwen3_moe", "host"), ("qwen3_moe", "static-layer"), ("qwen3_moe", "static-frequency"),
+    ("qwen3_moe", "lru-host-only"), ("qwen3_moe", "lru-transfer-only"),
+    ("qwen2_moe", "host"), ("qwen2_moe", "lru-transfer-only"),  # shared expert beside routed ones
+], indirect=["setup"])
 def test_policies_compute_the_device_function(setup, policy):
     path, *_, cfg = setup
     total = cfg.num_moe_layers * cfg.num_experts
@@ -78,8 +91,14 @@ def test_policies_compute_the_device_function(setup, policy):
         assert first_mismatch(replay(model, log, total // 2, policy, None), log) is None
 
 
-@pytest.mark.parametrize("slots_frac", [0.0, 0.3, 1.0])
-@pytest.mark.parametrize("bandwidth", [(1.0, 4.0), (49.0, 53.8), (5.0, 1.0)])
+@pytest.mark.parametrize("setup,slots_frac,bandwidth", [
+    ("qwen3_moe", 0.0, (1.0, 4.0)),  # one slot
+    ("qwen3_moe", 0.3, (1.0, 4.0)),  # RTX 4060 laptop-like: q* ~ m/4
+    ("qwen3_moe", 0.3, (49.0, 53.8)),  # RTX 5090 desktop-like: q* ~ m
+    ("qwen3_moe", 0.3, (5.0, 1.0)),  # link faster than the host: q = m
+    ("qwen3_moe", 1.0, (1.0, 2.0)),  # room for every expert
+    ("qwen2_moe", 0.3, (1.0, 2.0)),
+], indirect=["setup"])
 def test_lru_matches_offline_replay(setup, slots_frac, bandwidth):
     path, *_, cfg = setup
     total = cfg.num_moe_layers * cfg.num_experts

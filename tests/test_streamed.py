@@ -18,7 +18,7 @@ def setup(tmp_path_factory):
     return path, ref.logits(PROMPT), ref.generate(PROMPT, 8)
 
 
-@pytest.mark.parametrize("policy,kw", [("host", {}), ("lru", dict(cache_slots=5, bandwidth=(1.0, 2.0))),
+@pytest.mark.parametrize("policy,kw", [("lru", dict(cache_slots=5, bandwidth=(1.0, 2.0))),
                                        ("static-layer", dict(cache_slots=6))])
 def test_streamed_equals_reference(setup, policy, kw):
     path, ref_logits, ref_tokens = setup
@@ -61,3 +61,13 @@ def test_prefill_breakdown(setup):
     assert b["bytes_sent"] == model.config.num_moe_layers * model.config.num_experts * model.checkpoint.pool.expert_bytes
     with pytest.raises(ValueError, match="nothing to stream"):
         ftjax.load(path).prefill_breakdown(PROMPT)
+
+
+def test_calibrate_prefill_measures_a_threshold(setup):
+    path, *_ = setup
+    model = ftjax.load(path, policy="lru-host-only", cache_slots=4)
+    result = model.calibrate_prefill(max_tokens=32, repeats=1)
+    assert [b["tokens"] for b in result["buckets"]] == [16, 32]
+    assert all(b["cached_s"] > 0 and b["streamed_s"] > 0 for b in result["buckets"])
+    assert model.stream_threshold == result["threshold"] in (16, 32, model.max_seq_len)
+    assert model.stats()["selections"] == 0 and model.expert_log() == []  # calibration leaves no records

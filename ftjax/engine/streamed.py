@@ -20,7 +20,8 @@ slots; the decode cache, stamps and counter are untouched. Records appear in
 When to stream (`stream_threshold`): a prompt of T tokens routed top-K over E experts
 touches E·(1−(1−K/E)^T) experts per layer in expectation; we stream once that covers
 `STREAM_COVERAGE` of the layer, i.e. T ≥ log(1−c)/log(1−K/E). `calibrate` measures the
-real crossover on this machine (cached vs streamed time per bucket) and overrides it.
+real crossover on this machine (`Model.calibrate_prefill`: cached vs streamed time per
+prompt bucket) and overrides it.
 """
 
 from __future__ import annotations
