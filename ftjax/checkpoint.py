@@ -248,6 +248,8 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> C
             raise CheckpointError(f"{ref.file}: tensor {name} is for layer {layer}, but the config has {cfg.num_layers} layers")
         if target[0] == "param":
             path = target[1].format(**groups)
+            if path not in shapes and cfg.shared_expert_d_ff == 0 and re.search(r"\.moe\.(shared\.|w_shared_gate)", path):
+                continue  # a zero-width shared expert (and its gate) contributes nothing
             if path not in shapes:
                 raise CheckpointError(f"{ref.file}: unexpected tensor {name} (the config has no {path})")
             shape = ref.shape[::-1] if target[2] else ref.shape

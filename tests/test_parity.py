@@ -63,6 +63,8 @@ def test_bf16_checkpoint(tmp_path):
     ("qwen2_moe", dict(num_experts=9, num_experts_per_tok=3, norm_topk_prob=True, hidden_size=48,
                        num_attention_heads=6, num_key_value_heads=3)),
     ("olmoe", dict(num_experts=5, num_experts_per_tok=1, clip_qkv=None, norm_topk_prob=True)),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2, num_hidden_layers=4,
+                       mlp_only_layers=[3], shared_expert_intermediate_size=0)),
 ])
 def test_other_geometries(family, overrides, tmp_path):
     hf = hf_models.build(family, seed=4, **overrides)
