@@ -137,6 +137,19 @@ class HostExecutor:
                                      np.asarray(weights))
 
 
+def pool_view(pool: HostExpertPool) -> dict[str, jax.Array]:
+    """The pool as arrays the device program can read rows from (to fill cache slots).
+
+    CPU backend: a zero-copy alias of the aligned host memory. Other backends: the
+    arrays stay in host memory (`pinned_host` memory kind) so the device never holds the
+    whole pool; rows are copied into cache slots on demand. (Not yet run on a GPU.)
+    """
+    if jax.default_backend() == "cpu":
+        return {"gate_up": jax.device_put(pool.gate_up), "down": jax.device_put(pool.down)}
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return {"gate_up": jax.device_put(pool.gate_up, host), "down": jax.device_put(pool.down, host)}
+
+
 def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 20,
                            repeats: int = 5, isa: Isa = Isa.AUTO) -> list[float]:
     """GB/s of each of `repeats` passes summing a `num_bytes` buffer with `threads`

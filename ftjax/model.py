@@ -32,6 +32,7 @@ from ftjax.engine.steps import Steps
 from ftjax.engine.streamed import StreamedPrefill, stream_threshold
 from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
 from ftjax.experts.policy import get_policy, transfer_ratio
+from ftjax.host import pool_view
 from ftjax.models.common import CausalLM, empty_kv_cache
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -377,6 +378,6 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     return Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                  bandwidth=bandwidth, _graphdef=graphdef, _params=params,
-                 _pool_dev={"gate_up": jnp.asarray(pool.gate_up), "down": jnp.asarray(pool.down)},
+                 _pool_dev=pool_view(pool),
                  _steps=Steps(graphdef, executor), _xstate=_initial_xstate(executor, pool),
                  _streamed=streamed, prefill_mode=prefill, stream_threshold=threshold)

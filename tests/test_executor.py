@@ -145,3 +145,13 @@ def test_cache_bytes_and_bad_settings(setup):
         ftjax.load(path, policy="fifo")
     with pytest.raises(ValueError, match="cache_slots must be in"):
         ftjax.load(path, policy="lru-transfer-only", cache_slots=10_000)
+
+
+def test_pool_view_aliases_host_memory(setup):
+    """On the CPU backend the device view of the expert pool is the host pool itself
+    (no second copy of the largest object in the process)."""
+    path, *_ = setup
+    model = ftjax.load(path, policy="lru-host-only", cache_slots=3)
+    pool = model.checkpoint.pool
+    assert model._pool_dev["gate_up"].unsafe_buffer_pointer() == pool.gate_up.ctypes.data
+    assert model._pool_dev["down"].unsafe_buffer_pointer() == pool.down.ctypes.data
