@@ -1,0 +1,136 @@
+"""llama.cpp (through llama-cpp-python) on the same checkpoint: decode and prompt-eval speed.
+
+Benchmark-only dependency, NOT a dependency of ftjax. Build it from source for this CPU
+(a separate venv that sees the system packages keeps it out of the main environment):
+
+    python -m venv --system-site-packages /tmp/llvenv
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
+        /tmp/llvenv/bin/pip install llama-cpp-python==0.3.36 --no-binary llama-cpp-python
+
+Conversion (`--convert`): the sdist's own `vendor/llama.cpp/convert_hf_to_gguf.py`
+(with its vendored gguf-py) writes a bf16 GGUF. The geometry checkpoint has no
+tokenizer, so `Qwen3MoeModel.set_vocab` is replaced by the converter's own "none"
+vocabulary (`tokenizer.ggml.model = none` + `qwen3moe.vocab_size`), for which llama.cpp
+creates dummy tokens; the benchmark feeds token ids, so no tokenizer is needed.
+
+    /tmp/llvenv/bin/python scripts/bench_llamacpp.py --convert /tmp/ftjax-geom \\
+        --llama-src /tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp --gguf /tmp/ftjax-geom-bf16.gguf
+    OPENBLAS_NUM_THREADS=1 nice -n 5 /tmp/llvenv/bin/python scripts/bench_llamacpp.py \\
+        --gguf /tmp/ftjax-geom-bf16.gguf --threads 1
+
+Measurement (same as scripts/bench_decode.py): process pinned to the first N cores,
+n_threads = n_threads_batch = N; prompt of --prompt ids drawn as bench_decode draws them
+(RandomState(0), vocab 151936), one full warm-up generation, then `eval(prompt)` timed
+(prompt eval) and --new greedy tokens (argmax of the last logits, one `eval([tok])` per
+token) timed token by token; medians. llama.cpp's own perf counters are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __name__ == "__main__" and "--threads" in sys.argv:
+    n = int(sys.argv[sys.argv.index("--threads") + 1])
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def commit() -> dict:
+    return commit_info()
+
+
+def machine() -> dict:
+    return {**machine_info(), "shared": "background training job at nice 10; bench at nice 5"}
+
+
+def convert(model_dir: str, llama_src: str, out: str) -> None:
+    sys.path.insert(0, llama_src)
+    sys.path.insert(1, str(Path(llama_src) / "gguf-py"))
+    import convert_hf_to_gguf as conv
+    from conversion.qwen import Qwen3MoeModel
+
+    def set_vocab(self):  # no tokenizer in the folder: llama.cpp's "none" vocabulary
+        self._set_vocab_none()
+        self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
+
+    Qwen3MoeModel.set_vocab = set_vocab
+    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", "bf16", "--outfile", out]
+    t0 = time.perf_counter()
+    conv.main()
+    print(json.dumps({"converted": out, "bytes": os.path.getsize(out), "seconds": round(time.perf_counter() - t0, 1)}))
+
+
+def bench(args) -> None:
+    import llama_cpp
+    from llama_cpp import Llama
+
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    t0 = time.perf_counter()
+    llm = Llama(model_path=args.gguf, n_ctx=128, n_batch=args.prompt, n_ubatch=args.prompt, n_threads=threads,
+                n_threads_batch=threads, use_mmap=True, verbose=False)
+    load_s = time.perf_counter() - t0
+    V = llm.n_vocab()
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, V, size=args.prompt)]
+
+    def last_argmax() -> int:  # logits of the last evaluated token, read in place
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(V,))))
+
+    def run():
+        llm.reset()
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t_prompt = time.perf_counter() - t0
+        toks, stamps, c0 = [], [time.perf_counter()], time.process_time()
+        for _ in range(args.new - 1):
+            tok = last_argmax()
+            toks.append(tok)
+            llm.eval([tok])
+            stamps.append(time.perf_counter())
+        cpu_ms = (time.process_time() - c0) / (args.new - 1) * 1e3
+        toks.append(last_argmax())
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+        return t_prompt, list(np.diff(stamps)), toks, perf, cpu_ms
+
+    run()  # warm-up (page-in of the mmap, thread start)
+    t_prompt, ts, toks, perf, cpu_ms = run()
+    step = statistics.median(ts)
+    print(json.dumps({
+        "bench": "decode_llamacpp", **commit(), "machine": machine(), "gguf": args.gguf,
+        "llama_cpp_python": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()[:300],
+        "threads": threads, "prompt_tokens": args.prompt, "new_tokens": args.new, "greedy": True,
+        "load_s": round(load_s, 2), "prompt_eval_ms": round(t_prompt * 1e3, 2),
+        "prompt_tok_per_s": round(args.prompt / t_prompt, 2), "tok_per_s": round(1 / step, 3),
+        "step_ms": round(step * 1e3, 3), "cpu_ms_per_token": round(cpu_ms, 3), "p90_ms": round(float(np.percentile(ts, 90)) * 1e3, 3),
+        "llama_perf": {"t_p_eval_ms": perf.t_p_eval_ms, "n_p_eval": perf.n_p_eval, "t_eval_ms": perf.t_eval_ms,
+                       "n_eval": perf.n_eval},
+        "distinct_tokens": len(set(toks)), "first_tokens": toks[:8]}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convert", default=None, help="HF checkpoint folder to convert to --gguf (bf16)")
+    ap.add_argument("--llama-src", default="/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
+    ap.add_argument("--gguf", default="/tmp/ftjax-geom-bf16.gguf")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    args = ap.parse_args()
+    convert(args.convert, args.llama_src, args.gguf) if args.convert else bench(args)
+
+
+if __name__ == "__main__":
+    main()
