@@ -65,6 +65,7 @@ def test_bf16_checkpoint(tmp_path):
     ("olmoe", dict(num_experts=5, num_experts_per_tok=1, clip_qkv=None, norm_topk_prob=True)),
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2, num_hidden_layers=4,
                        mlp_only_layers=[3], shared_expert_intermediate_size=0)),
+    ("qwen3_moe", dict(mlp_only_layers=[0, 1, 2])),  # no MoE layer at all: an empty expert pool
 ])
 def test_other_geometries(family, overrides, tmp_path):
     hf = hf_models.build(family, seed=4, **overrides)

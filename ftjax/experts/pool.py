@@ -40,7 +40,7 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
 
 
 def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
-    return a.ctypes.data % alignment == 0
+    return a.size == 0 or a.ctypes.data % alignment == 0  # an empty pool (all-dense model) has no data
 
 
 def to_bf16_bits(a: np.ndarray) -> np.ndarray:
