@@ -147,7 +147,8 @@ def _model_dir(tmp_path, template, **config_overrides):
 def test_default_model_metadata(tok):
     assert tok.vocab_size == 4096
     assert tok.bos_token_id is None
-    assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>")}
+    # tokenizer_config's eos plus the model's config.json / generation_config.json eos ids
+    assert tok.eos_token_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
     assert tok.pad_token_id == tok.token_to_id("<|endoftext|>")
     assert tok.special_ids == {tok.token_to_id(t) for t in SPECIAL}
     assert set(tok.added_token_ids) == set(SPECIAL + CONTROL)
