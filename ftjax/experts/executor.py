@@ -68,19 +68,19 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
     N, K = rows.shape
     x32 = x.astype(jnp.float32)
     if N * K <= _ASSIGNMENT_LOOP_MAX:
-        def one(y, a):  # scan over assignments: reads only the selected experts
-            n, k = a // K, a % K
-            r = rows[n, k]
+        # decode: unrolled over the few assignments (a scan's loop costs more than its body
+        # here); each reads only its selected expert, skipped when not placed on the device
+        y = jnp.zeros_like(x32)
+        for n in range(N):
+            for k in range(K):
+                r = rows[n, k]
 
-            def run(y):
-                g = jax.lax.dynamic_index_in_dim(gate_up, r, keepdims=False)
-                d = jax.lax.dynamic_index_in_dim(down, r, keepdims=False)
-                out = swiglu(g, d, jax.lax.dynamic_slice_in_dim(x32, n, 1))[0]
-                return y.at[n].add(weights[n, k].astype(jnp.float32) * out)
+                def run(y, n=n, k=k, r=r):
+                    g = jax.lax.dynamic_index_in_dim(gate_up, r, keepdims=False)
+                    d = jax.lax.dynamic_index_in_dim(down, r, keepdims=False)
+                    return y.at[n].add(weights[n, k].astype(jnp.float32) * swiglu(g, d, x32[n:n + 1])[0])
 
-            return jax.lax.cond(r >= 0, run, lambda y: y, y), None
-
-        y, _ = jax.lax.scan(one, jnp.zeros_like(x32), jnp.arange(N * K))
+                y = jax.lax.cond(r >= 0, run, lambda y: y, y)
         return y.astype(x.dtype)
 
     R = gate_up.shape[0]
