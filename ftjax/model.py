@@ -369,6 +369,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)))
     params = _param_state(abstract, ckpt.params)
+    ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
     tokenizer = None
     if (model_dir / "tokenizer.json").is_file():
         from ftjax.tokenizer import Tokenizer
