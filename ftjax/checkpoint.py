@@ -222,8 +222,8 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> C
             if ref.name in refs:
                 raise CheckpointError(f"{path}: tensor {ref.name} also appears in {refs[ref.name].file.name}")
             refs[ref.name] = ref
-    stored = {r.dtype for n, r in refs.items()}
-    ckpt_dtype = _DTYPES["BF16"][1] if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
+    stored = {r.dtype for r in refs.values()}
+    ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
     pool_dtype = expert_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")
     if pool_dtype == "bfloat16" and any(r.dtype != "BF16" for n, r in refs.items() if ".experts." in canonical_name(n, aliases)):
         pool_dtype = "float32"  # converting other precisions to bf16 would lose bits silently

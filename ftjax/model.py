@@ -221,7 +221,7 @@ class Model:
         settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
         token = _sample(logits, jax.random.fold_in(key, 0), *settings)
         eos = set(self.config.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
-        text, new = "", []
+        new = []
         for i in range(budget):
             if i > 0:
                 token, logits, kv, self._xstate, codes = self._steps.decode(
@@ -243,7 +243,7 @@ class Model:
                 stats.stop_reason = "eos"
                 break
             if stop:
-                text = self.tokenizer.decode(new)
+                text = self.tokenizer.decode(new)  # re-decoded per token: stop strings can span tokens
                 if any(s in text for s in stop):
                     stats.stop_reason = "stop"
                     break

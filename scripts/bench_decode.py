@@ -48,7 +48,6 @@ if __name__ == "__main__":  # pin before jax creates its thread pools
 
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -234,7 +233,7 @@ def bench_tiny(args) -> None:
 def micro(cfg, pool, threads: int) -> dict:
     """Jitted parts of a decode step with the model's shapes; ms and GB/s."""
     D, V, H, G, hd = cfg.d_model, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    K, F, E = cfg.top_k, cfg.d_ff_expert, pool.num_experts
+    K, E = cfg.top_k, pool.num_experts
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, D), dtype=np.float32))
     res = {}
@@ -360,7 +359,7 @@ def bench_micro(args) -> None:
     """The micro-benchmarks alone, on the checkpoint's config and a synthetic 1-layer pool
     (no checkpoint read: a few GB of memory instead of ~18)."""
     from ftjax.config import read_config_json
-    from ftjax.experts.pool import HostExpertPool, aligned_empty, to_bf16_bits
+    from ftjax.experts.pool import HostExpertPool, to_bf16_bits
     from ftjax.models import config_from_hf
 
     threads = args.threads or len(os.sched_getaffinity(0))

@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 from ftjax.experts.pool import HostExpertPool, canonical_dtype, to_bf16_bits
-from ftjax.experts.profile import git_commit, machine_info
+from ftjax.experts.profile import machine_info
+from ftjax.runinfo import git_commit
 from ftjax.host import HostExecutor, Isa, read_bandwidth_samples
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "olmoe-1b-7b": (2048, 1024)}  # expert [D, F]

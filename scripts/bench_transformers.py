@@ -22,7 +22,6 @@ if __name__ == "__main__" and "--threads" in sys.argv:
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 

@@ -7,7 +7,6 @@ differs per token and greedy continuations are informative.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

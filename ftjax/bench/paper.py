@@ -32,7 +32,8 @@ import numpy as np
 
 from ftjax.config import read_config_json
 from ftjax.data import corpus
-from ftjax.experts.profile import DEFAULT_SHAPE, git_commit, machine_info, measure
+from ftjax.experts.profile import DEFAULT_SHAPE, machine_info, measure
+from ftjax.runinfo import git_commit
 from ftjax.lab.geometry import ModelGeometry, qwen3_30b_a3b
 from ftjax.lab.machines import PAPER_MACHINES, HardwareProfile, from_profile
 from ftjax.lab.report import plot_miss_rates

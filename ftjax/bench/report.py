@@ -178,7 +178,7 @@ def _bandwidth(r: dict) -> str:
         ratio = min(1.0, p["b_p_gbps"] / p["b_h_gbps"])
         rows.append([f"this machine, {name} experts {p['expert_shape']}", p["b_p_gbps"], p["b_h_gbps"], ratio,
                      fetch_count(8, ratio)])
-        rows.append([f"  same, both running at once", p["b_p_concurrent_gbps"], p["b_h_concurrent_gbps"],
+        rows.append(["  same, both running at once", p["b_p_concurrent_gbps"], p["b_h_concurrent_gbps"],
                      min(1.0, p["b_p_concurrent_gbps"] / p["b_h_concurrent_gbps"]), "-"])
     out = ["## 3. Bandwidth split q (`q_sweep.json`, `q_sweep.png`)\n",
            "B_P (host->device expert transfer) and B_H (host expert kernel), GB/s; the paper's five machines as "

@@ -13,7 +13,6 @@ without a host sync.
 
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -27,10 +27,8 @@ import functools
 import json
 import math
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.experts.pool import HostExpertPool, canonical_dtype, to_bf16_bits
+from ftjax.runinfo import cpu_model, git_commit
 from ftjax.host import HostExecutor, default_threads, read_bandwidth_gbps
 
 PROFILE_VERSION = 1
@@ -49,16 +48,6 @@ DEFAULT_SHAPE = (2048, 768)  # [D, F] of Qwen3-30B-A3B experts
 
 
 # ---------------------------------------------------------------------------- machine
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:
@@ -70,17 +59,6 @@ def machine_info() -> dict:
 def machine_key(info: dict | None = None) -> str:
     info = info or machine_info()
     return "|".join((info["hostname"], info["cpu"], info["platform"], info["device_kind"]))
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
 
 
 # ---------------------------------------------------------------------------- storage

@@ -21,7 +21,6 @@ Design
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
