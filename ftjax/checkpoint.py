@@ -16,6 +16,10 @@ Design
   the file name), every tensor name must map somewhere, every expected tensor must be
   present exactly once, and every shape must match the config. Errors name the file
   and the tensor. Nothing is written to disk.
+- Dense (non-expert) matrices of a bf16 checkpoint stay bf16 by default, as uint16 bits
+  in the HF layout [out, in] (and the embedding [V, D]): that is what the host GEMV
+  kernel streams (`models.common.linear`), and it halves device memory. Converting them
+  to float32 [in, out] (`dense_dtype="float32"`) is exact, only bigger and slower.
 - Data is read through `np.memmap` at the offsets of the safetensors header, so bf16
   needs no numpy dtype support and large shards are not read twice.
 """
@@ -89,10 +93,15 @@ class TensorRef:
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    params: dict[str, np.ndarray]  # dotted param path -> array [in, out] layout, float32
+    params: dict[str, np.ndarray]  # dotted param path -> float32 [in, out], or packed (below)
     pool: HostExpertPool
     dtype: str  # stored precision of the weights: float32 | bfloat16 | float16
     path: Path
+    dense_dtype: str = "float32"  # "bfloat16": matrices are uint16 bits [out, in] (packed)
+
+    @property
+    def packed(self) -> bool:
+        return self.dense_dtype == "bfloat16"
 
 
 # ---- files ------------------------------------------------------------------------
@@ -203,12 +212,18 @@ def _expert_storage(ref: TensorRef, pool_dtype: str) -> np.ndarray:
     return _to_f32(ref)
 
 
-def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> Checkpoint:
+def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
+                    dense_dtype: str | None = None) -> Checkpoint:
     """Read and check a HF MoE checkpoint folder.
 
-    expert_dtype: storage of the host expert pool, "bfloat16" or "float32"; default:
-    bfloat16 for bf16 checkpoints, float32 otherwise.
+    expert_dtype: storage of the host expert pool; dense_dtype: storage of the dense
+    matrices (attention, router, shared experts, embedding, LM head). Each "bfloat16"
+    or "float32"; default: bfloat16 for bf16 checkpoints, float32 otherwise. bfloat16
+    is only kept where the stored tensors are bf16 (no silent rounding).
     """
+    for name, value in (("expert_dtype", expert_dtype), ("dense_dtype", dense_dtype)):
+        if value not in (None, "bfloat16", "float32"):
+            raise ValueError(f"{name} must be 'bfloat16' or 'float32', got {value!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model folder not found")
@@ -227,6 +242,8 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> C
     pool_dtype = expert_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")
     if pool_dtype == "bfloat16" and any(r.dtype != "BF16" for n, r in refs.items() if ".experts." in canonical_name(n, aliases)):
         pool_dtype = "float32"  # converting other precisions to bf16 would lose bits silently
+    packed = (dense_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")) == "bfloat16"
+    packed &= all(r.dtype == "BF16" for n, r in refs.items() if _packs(classify(canonical_name(n, aliases))))
 
     shapes = expected_param_shapes(cfg)
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
@@ -256,8 +273,11 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> C
             if tuple(shape) != shapes[path] or (target[2] and len(ref.shape) != 2):
                 want = shapes[path][::-1] if target[2] else shapes[path]
                 raise CheckpointError(f"{ref.file}: tensor {name} has shape {list(ref.shape)}, expected {list(want)}")
-            arr = _to_f32(ref)
-            params[path] = np.ascontiguousarray(arr.T if target[2] else arr)
+            if packed and _packs(hit):
+                params[path] = np.array(ref.read())  # bf16 bits in the HF layout; a copy, not the file
+            else:
+                arr = _to_f32(ref)
+                params[path] = np.ascontiguousarray(arr.T if target[2] else arr)
         else:
             if not cfg.moe_layers[layer]:
                 raise CheckpointError(f"{ref.file}: unexpected tensor {name}: layer {layer} is a dense layer in this config")
@@ -289,7 +309,15 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None) -> C
         raise CheckpointError(f"{model_dir}: missing tensors for {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
     _check_experts(model_dir, cfg, expert_seen)
     pool.freeze()
-    return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir)
+    return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32")
+
+
+def _packs(hit: tuple | None) -> bool:
+    """Whether a classified tensor is a dense matrix kept as bf16 bits when packing:
+    every HF Linear weight (transposed targets) and the embedding."""
+    if hit is None or hit[0][0] != "param":
+        return False
+    return hit[0][2] or hit[0][1] == "embed"
 
 
 def _check_experts(model_dir: Path, cfg: ModelConfig, seen: dict) -> None:

@@ -1,5 +1,5 @@
 """The host boundary: the ONLY module whose code crosses from a jitted program into
-host (CPU) expert compute.
+host (CPU) kernels: the routed-expert FFN, and dense layers stored as bf16 bits.
 
     jitted step --(x [T,D], layer [], ids [T,K], weights [T,K])--> expert_ffn --> y [T,D]
         CPU backend:  jax.ffi.ffi_call -> C++ XLA FFI handler (~0.5 us, async dispatch kept)
@@ -10,10 +10,19 @@ from the `HostExpertPool`, on a persistent `ThreadPool`), so results agree up to
 float rounding. The FFI handler receives the pool's base addresses and the thread
 pool's address as static attributes and the layer / expert ids as operands: one
 compile serves every layer and every expert. Those addresses are raw pointers: the
-`HostExecutor` owns the pool and the threads and must outlive every program traced
-with it. The choice of path is data (`Boundary`), made in `default_boundary`.
+`HostExecutor` holds the pool and must outlive every program traced with it. The choice of path is data (`Boundary`), made in `default_boundary`.
 
-Letters: Lm MoE layers, E experts, D model dim, F expert FFN dim, T tokens, K top-k.
+Dense layers (`linear`): on the CPU backend a decode step's matrix-vector products
+(attention projections, router, LM head) go to the C++ GEMV kernel through a second
+FFI handler, the weight passed as an ordinary operand (a CPU "device" buffer is host
+memory, read in place); XLA's own CPU dot on bf16 is far below memory bandwidth.
+Prompts (more than `LINEAR_KERNEL_MAX_TOKENS` tokens) are compute-bound and use XLA's
+f32 GEMM; other backends always use XLA.
+
+Worker threads are process-wide (`shared_threads`): one persistent pool per thread
+count, never freed, because compiled programs hold its address.
+
+Letters: N output features, Lm MoE layers, E experts, D model dim, F expert FFN dim, T tokens, K top-k.
 """
 
 from __future__ import annotations
@@ -28,9 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import _host_kernels as _hk
+from ftjax.experts.executor import as_f32
 from ftjax.experts.pool import HostExpertPool, bf16_bits_to_f32
 
 FFI_TARGET = "ftjax_expert_ffn"
+LINEAR_FFI_TARGET = "ftjax_linear"
+# Above this many tokens a dense layer is compute-bound and XLA's blocked GEMM wins.
+LINEAR_KERNEL_MAX_TOKENS = 16
 
 
 class Boundary(enum.Enum):
@@ -73,9 +86,45 @@ def default_boundary(platform: str | None = None) -> Boundary:
 
 
 @functools.cache
-def _register_ffi_target() -> str:
+def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(FFI_TARGET, _hk.ffi_expert_ffn(), platform="cpu")
-    return FFI_TARGET
+    jax.ffi.register_ffi_target(LINEAR_FFI_TARGET, _hk.ffi_linear(), platform="cpu")
+
+
+@functools.cache
+def shared_threads(num_threads: int) -> _hk.ThreadPool:
+    """The process's worker pool of `num_threads` threads (created once, never freed)."""
+    return _hk.ThreadPool(num_threads)
+
+
+def linear(x: jax.Array, w: jax.Array, *, boundary: Boundary | str | None = None,
+           isa: Isa = Isa.AUTO) -> jax.Array:
+    """x [..., K] -> [..., N] float32 = x . w^T, w [N, K] uint16 (bf16 bits) or float32,
+    the HF nn.Linear layout. Callable inside `jax.jit`; the path is picked at trace time."""
+    *lead, K = x.shape
+    N = w.shape[0]
+    x2 = jnp.asarray(x, jnp.float32).reshape(-1, K)  # [T, K]
+    boundary = Boundary(boundary) if boundary else default_boundary()
+    if boundary is Boundary.FFI_CPU and x2.shape[0] <= LINEAR_KERNEL_MAX_TOKENS:
+        _register_ffi_targets()
+        call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
+        y = call(x2, w, pool_ptr=np.int64(shared_threads(default_threads()).address), isa=np.int32(isa.value))
+    else:
+        y = x2 @ as_f32(w).T
+    return y.reshape(*lead, N)
+
+
+def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: Isa = Isa.AUTO) -> np.ndarray:
+    """The same kernel called from numpy: x [T, K] float32, w [N, K] -> y [T, N]."""
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _hk.linear(w, x, y, shared_threads(threads or default_threads()), isa.value)
+    return y
+
+
+def reference_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """numpy (float64) reference of `linear`: x [T, K], w [N, K] (float32 or bf16 bits)."""
+    return (np.asarray(x, np.float64) @ _weights_f64(w).T).astype(np.float32)
 
 
 class HostExecutor:
@@ -87,7 +136,7 @@ class HostExecutor:
             raise ValueError("freeze() the pool first: the kernels hold raw pointers into it")
         self.pool = pool
         self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
-        self._threads = _hk.ThreadPool(threads or default_threads())
+        self._threads = shared_threads(threads or default_threads())
 
     @property
     def num_threads(self) -> int:
@@ -125,7 +174,8 @@ class HostExecutor:
             pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value))
 
     def _ffi_call(self, x, layer, ids, weights):
-        call = jax.ffi.ffi_call(_register_ffi_target(), jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        _register_ffi_targets()
+        call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
         return call(x, layer, ids, weights, **self._ffi_attributes())
 
     def _callback(self, x, layer, ids, weights):

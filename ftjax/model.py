@@ -326,14 +326,17 @@ def _param_state(graphdef_state, params: dict[str, np.ndarray]):
 
 def load(path: str | Path | None = None, *, policy: str = "device", cache_slots: int | None = None,
          cache_bytes: int | None = None, bandwidth: tuple[float, float] | None = None, threads: int | None = None,
-         max_seq_len: int | None = None, expert_dtype: str | None = None,
+         max_seq_len: int | None = None, expert_dtype: str | None = None, dense_dtype: str | None = None,
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder (None = the embedded default model).
 
     policy: where experts run (`ftjax.experts.policy.POLICIES`); cache_slots / cache_bytes:
     size of the device expert cache; bandwidth: (B_P, B_H) in GB/s, overriding the
-    measured profile; threads: host kernel worker threads; frequency [Lm, E]: selection
+    measured profile; threads: host expert kernel worker threads (dense layers use every
+    core the process may run on); expert_dtype / dense_dtype: storage of the expert pool
+    and of the other matrices, "bfloat16" (default for bf16 checkpoints; exact, and the
+    fast path of the CPU backend) or "float32"; frequency [Lm, E]: selection
     counts for static-frequency; prefill: "auto" (stream whole MoE layers once a prompt
     reaches `prefill_stream_threshold` tokens), "cached" or "streamed".
     """
@@ -342,7 +345,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     model_dir = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if path is None and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from {model_dir}")
-    ckpt = load_checkpoint(model_dir, expert_dtype)
+    ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
     cfg = ckpt.config
     pol = get_policy(policy)
     pool = ckpt.pool
@@ -367,7 +370,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency)
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
     ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
     tokenizer = None

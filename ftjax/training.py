@@ -606,7 +606,7 @@ def params_from_folder(model_dir: str | Path) -> tuple[dict, nnx.GraphDef, dict]
     from ftjax.config import read_config_json
 
     hf = read_config_json(model_dir)
-    ckpt = load_hf(model_dir, expert_dtype="float32")
+    ckpt = load_hf(model_dir, expert_dtype="float32", dense_dtype="float32")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(ckpt.config)))
     leaves = [(p, v.replace(jnp.asarray(ckpt.params[".".join(map(str, p))]))) for p, v in nnx.to_flat_state(state)]
     experts = {"gate_up": jnp.asarray(ckpt.pool.gate_up), "down": jnp.asarray(ckpt.pool.down)}

@@ -1,5 +1,7 @@
 #include "expert_ffn.h"
 
+#include "blocks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -12,29 +14,6 @@ namespace {
 
 constexpr int64_t kGateUpTaskBytes = 256 << 10;  // weight bytes per phase-1 task
 constexpr int64_t kDownTaskBytes = 128 << 10;    // weight bytes per expert per phase-2 task
-constexpr int64_t kVecTileBytes = 96 << 10;      // activations kept hot while rows stream
-constexpr int64_t kTasksPerThread = 8;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t m) { return ceil_div(a, m) * m; }
-
-// Scratch floats on 64-byte boundaries: a 512-bit load of a misaligned vector
-// touches two cache lines every time.
-class AlignedFloats {
- public:
-  explicit AlignedFloats(int64_t n)
-      : data_(static_cast<float*>(std::aligned_alloc(64, round_up(std::max<int64_t>(n, 1) * 4, 64)))) {
-    if (data_ == nullptr) throw std::bad_alloc();
-  }
-  ~AlignedFloats() { std::free(data_); }
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-  float* data() const { return data_; }
-  float& operator[](int64_t i) const { return data_[i]; }
-
- private:
-  float* data_;
-};
 
 // Tokens grouped by unique expert: pairs of (token, summed weight), ascending expert.
 struct Routing {
@@ -107,49 +86,10 @@ struct Call {
   const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in the layout
 };
 
-// dst [rows, n] = src reordered into the even/odd layout that bf16 SIMD dots expect.
-void to_layout(const float* src, int64_t rows, int64_t n, int64_t block, float* dst) {
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < n; ++i) dst[t * n + even_odd_pos(i, n, block)] = src[t * n + i];
-}
-
 const char* expert_base(const void* base, const Call& c, int64_t e, int64_t rows,
                         int64_t cols) {
   int64_t index = (c.layer * c.pool.num_experts + e) * rows * cols;
   return static_cast<const char*>(base) + index * weight_bytes(c.pool.wtype);
-}
-
-constexpr int64_t kSubRows = 16;  // rows per block_dots call (stack buffers below)
-constexpr int64_t kMaxTile = 48;  // tokens per tile, a multiple of kMaxVecs
-
-// Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.
-int64_t vec_tile(int64_t len) {
-  const int64_t fit = kVecTileBytes / (len * 4) / kMaxVecs * kMaxVecs;
-  return std::min(kMaxTile, std::max<int64_t>(kMaxVecs, fit));
-}
-
-// out[r * num_vecs + j] = row_r . vecs[j] for `num_rows` consecutive rows starting at
-// `rows`. One token: rows go one at a time, a single sequential stream that the
-// prefetchers follow; several tokens: R x J tiles reuse each loaded weight J times.
-void block_dots(const DotTable& dots, const char* rows, int64_t row_bytes,
-                int64_t num_rows, const float* const* vecs, int64_t num_vecs, int64_t n,
-                float* out) {
-  if (num_vecs == 1) {
-    dots.gemv(rows, n, num_rows, vecs[0], n, out);
-    return;
-  }
-  for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxRows) {
-    const int R = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r0));
-    const void* row_ptrs[kMaxRows];
-    for (int r = 0; r < R; ++r) row_ptrs[r] = rows + (r0 + r) * row_bytes;
-    for (int64_t j0 = 0; j0 < num_vecs; j0 += kMaxVecs) {
-      const int J = static_cast<int>(std::min<int64_t>(kMaxVecs, num_vecs - j0));
-      float tile[kMaxRows * kMaxVecs];
-      dots.fn[R][J](row_ptrs, vecs + j0, n, tile);
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < J; ++j) out[(r0 + r) * num_vecs + j0 + j] = tile[r * J + j];
-    }
-  }
 }
 
 struct GateUpTask {
@@ -209,15 +149,6 @@ void down_task(const Call& c, int64_t d0, int64_t d1) {
       }
     }
   }
-}
-
-// Rows per task: bounded by bytes (a task's weights stay a cache-sized chunk) and by
-// balance (>= kTasksPerThread tasks per thread even for 1 token x 2 experts);
-// a multiple of 8, the row group of the gemv kernels' shared horizontal sums.
-int64_t task_rows(int64_t row_bytes, int64_t task_bytes, int64_t total_rows, int num_threads) {
-  const int64_t by_bytes = task_bytes / row_bytes;
-  const int64_t by_balance = ceil_div(total_rows, kTasksPerThread * num_threads);
-  return round_up(std::max<int64_t>(1, std::min(by_bytes, by_balance)), 8);
 }
 
 // Phase-1 tasks: (unique expert, block of F rows of gate and the same rows of up).

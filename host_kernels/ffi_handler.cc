@@ -4,6 +4,7 @@
 #include <string>
 
 #include "expert_ffn.h"
+#include "linear.h"
 
 namespace ffi = xla::ffi;
 
@@ -48,7 +49,37 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t pool_ptr, int32_t isa) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  WeightType wtype;
+  if (w.element_type() == ffi::U16)
+    wtype = WeightType::kBF16;
+  else if (w.element_type() == ffi::F32)
+    wtype = WeightType::kF32;
+  else
+    return ffi::Error::InvalidArgument("ftjax_linear: w must be uint16 (bf16 bits) or f32");
+  if (wd.size() != 2 || xd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("ftjax_linear: need x [T, K] and w [N, K]");
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("ftjax_linear: y must be [T, N]");
+  ftjax::DenseView view{w.untyped_data(), wd[0], wd[1], wtype};
+  std::string err = ftjax::linear(view, x.typed_data(), xd[0], y->typed_data(),
+                                  reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+                                  static_cast<Isa>(isa));
+  if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_linear: " + err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxLinear, linear_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [N, K] u16 | f32
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("pool_ptr")
+                                  .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
                               ffi::Ffi::Bind()

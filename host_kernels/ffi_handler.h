@@ -1,5 +1,6 @@
-// XLA FFI handler (CPU platform) for the expert FFN.
+// XLA FFI handlers (CPU platform): the expert FFN and the dense linear layer.
 //
+// FtjaxExpertFfn:
 // Operands: x [T, D] f32, layer [] s32, ids [T, K] s32, weights [T, K] f32.
 // Result:   y [T, D] f32.
 // Attributes (static, baked into the compiled program; one compile serves every
@@ -13,3 +14,8 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
+
+// FtjaxLinear: y [T, N] f32 = x [T, K] f32 . w^T, w [N, K] an operand (uint16 bf16
+// bits or f32; on the CPU backend a device buffer *is* host memory, read in place).
+// Attributes: pool_ptr, isa as above.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxLinear);

@@ -1,6 +1,6 @@
 // nanobind module `ftjax._host_kernels`: numpy entry points into the host expert
-// kernels, the persistent ThreadPool, the XLA FFI handler as a PyCapsule, and the
-// read-bandwidth probe. Every long call releases the GIL. Pool arrays are taken
+// kernels (expert FFN, dense linear), the persistent ThreadPool, the XLA FFI handlers
+// as PyCapsules, and the read-bandwidth probe. Every long call releases the GIL. Pool arrays are taken
 // without conversion (a silent copy of a multi-GB pool would be a bug).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -14,6 +14,7 @@
 #include "expert_ffn.h"
 #include "ffi_handler.h"
 #include "kernels.h"
+#include "linear.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -69,6 +70,30 @@ void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
+using W2 = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int isa) {
+  WeightType wtype;
+  if (w.dtype() == nb::dtype<uint16_t>())
+    wtype = WeightType::kBF16;
+  else if (w.dtype() == nb::dtype<float>())
+    wtype = WeightType::kF32;
+  else
+    throw std::invalid_argument("w must be float32 or uint16 (bf16 bits)");
+  const int64_t N = w.shape(0), K = w.shape(1), T = x.shape(0);
+  if ((int64_t)x.shape(1) != K)
+    throw std::invalid_argument("x must be [T, K] with K = " + std::to_string(K));
+  if ((int64_t)y.shape(0) != T || (int64_t)y.shape(1) != N)
+    throw std::invalid_argument("y must be [T, N]");
+  DenseView view{w.data(), N, K, wtype};
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = linear(view, x.data(), T, y.data(), threads, static_cast<Isa>(isa));
+  }
+  if (!err.empty()) throw std::invalid_argument(err);
+}
+
 std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, int repeats,
                                       int isa) {
   nb::gil_scoped_release release;
@@ -95,11 +120,15 @@ NB_MODULE(_host_kernels, m) {
         "isa"_a = 0,
         "y[t] = sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) for MoE layer `layer`; "
         "writes y [T, D] in place.");
+  m.def("linear", &py_linear, "w"_a.noconvert(), "x"_a, "y"_a.noconvert(), "threads"_a.none(),
+        "isa"_a = 0, "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits; writes y in place.");
   m.def("read_bandwidth_gbps", &py_read_bandwidth, "threads"_a.none(),
         "num_bytes"_a = int64_t(256) << 20, "repeats"_a = 5, "isa"_a = 0,
         "GB/s of each timed pass summing a num_bytes buffer.");
   m.def("ffi_expert_ffn", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFfn)); },
         "PyCapsule of the XLA FFI handler (CPU platform).");
+  m.def("ffi_linear", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxLinear)); },
+        "PyCapsule of the dense linear XLA FFI handler (CPU platform).");
   m.def("has_avx2", &cpu_has_avx2_fma);
   m.def("has_avx512", &cpu_has_avx512);
   m.def("hardware_cores", &hardware_cores);

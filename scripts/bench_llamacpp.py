@@ -51,7 +51,7 @@ def commit() -> dict:
 
 
 def machine() -> dict:
-    return {**machine_info(), "shared": "background training job at nice 10; bench at nice 5"}
+    return machine_info()
 
 
 def convert(model_dir: str, llama_src: str, out: str) -> None:

@@ -40,7 +40,7 @@ def commit() -> dict:
 
 
 def machine() -> dict:
-    return {**machine_info(), "shared": "background training job at nice 10; bench at nice 5"}
+    return machine_info()
 
 
 class Stamp(LogitsProcessor):

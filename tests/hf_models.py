@@ -7,6 +7,7 @@ differs per token and greedy continuations are informative.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ def save(model, path: Path, *, fused: bool = False, dtype=None, max_shard_size=N
     """save_pretrained (per-expert tensors) or the raw state_dict (fused experts)."""
     path = Path(path)
     if dtype is not None:
-        model = model.to(dtype)
+        model = copy.deepcopy(model).to(dtype)  # the caller's model keeps its f32 buffers
     if fused:
         from safetensors.torch import save_file
         path.mkdir(parents=True, exist_ok=True)
@@ -54,8 +55,6 @@ def save(model, path: Path, *, fused: bool = False, dtype=None, max_shard_size=N
     else:
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kw)
-    if dtype is not None:
-        model.float()
     return path
 
 
@@ -69,3 +68,14 @@ def hf_greedy(model, ids, n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                              pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
+
+
+def bf16_rounded(model):
+    """The model with its parameters rounded to bf16 (kept f32), buffers untouched: the
+    exact reference for a bf16 checkpoint (`.to(bfloat16)` would also round RoPE's
+    inv_freq buffer and shift every position > 0)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return rounded

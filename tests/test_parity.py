@@ -1,6 +1,7 @@
 """ftjax against transformers on tiny random checkpoints of every family: full-forward
 logits, 20-token greedy continuations, and decode-step logits vs full-forward logits."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -51,8 +52,7 @@ def test_sharded_checkpoint(tmp_path):
 def test_bf16_checkpoint(tmp_path):
     hf = hf_models.build("qwen3_moe", seed=3)
     path = hf_models.save(hf, tmp_path, dtype=torch.bfloat16)
-    hf_bf16_weights = hf.to(torch.bfloat16).float()  # the reference sees the same rounded weights
-    model = check_model(hf_bf16_weights, path, tol=1e-3, greedy=False)
+    model = check_model(hf_models.bf16_rounded(hf), path, greedy=False)
     assert model.checkpoint.pool.dtype == "bfloat16"
 
 
@@ -70,3 +70,33 @@ def test_bf16_checkpoint(tmp_path):
 def test_other_geometries(family, overrides, tmp_path):
     hf = hf_models.build(family, seed=4, **overrides)
     check_model(hf, hf_models.save(hf, tmp_path))
+
+
+def _param_dtypes(model) -> set:
+    return {str(a.dtype) for a in jax.tree.leaves(model._params)}
+
+
+@pytest.mark.parametrize("family,overrides", [
+    *[(f, {}) for f in sorted(hf_models.FAMILY_CONFIGS)],
+    ("qwen3_moe", dict(tie_word_embeddings=True, mlp_only_layers=[1])),  # tied head, a dense layer
+])
+def test_packed_bf16_dense_weights(family, overrides, tmp_path):
+    """A bf16 checkpoint keeps its matrices as bf16 bits [out, in] (host GEMV kernel on
+    CPU): same logits and greedy tokens as transformers on the same rounded weights,
+    and as the float32 [in, out] layout."""
+    hf = hf_models.build(family, seed=5, **overrides)
+    path = hf_models.save(hf, tmp_path, dtype=torch.bfloat16)
+    model = check_model(hf_models.bf16_rounded(hf), path)
+    assert model.checkpoint.packed and "uint16" in _param_dtypes(model)
+    unpacked = ftjax.load(path, dense_dtype="float32")
+    assert not unpacked.checkpoint.packed and "uint16" not in _param_dtypes(unpacked)
+    assert rel_err(model.logits(PROMPT), unpacked.logits(PROMPT)) <= 1e-5
+
+
+def test_dense_dtype_never_rounds_silently(tmp_path):
+    hf = hf_models.build("qwen3_moe", seed=6)
+    path = hf_models.save(hf, tmp_path)  # float32 tensors
+    model = ftjax.load(path, dense_dtype="bfloat16")
+    assert not model.checkpoint.packed  # kept f32: bf16 would drop bits
+    with pytest.raises(ValueError, match="dense_dtype"):
+        ftjax.load(path, dense_dtype="float16")

@@ -14,7 +14,9 @@ Design
   (`ftjax.experts.executor`), a static policy object plus a pytree of device state
   threaded through the forward pass. Placement is data: the forward code never
   decides where an expert runs.
-- Linear weights are stored [in, out] (x @ W). The KV cache is a pytree
+- Linear weights are stored [in, out] (x @ W), or *packed*: bf16 bits (uint16) in the
+  HF layout [out, in], multiplied by the host GEMV kernel on the CPU backend
+  (`linear`, `ftjax.host.linear`; `CausalLM(cfg, packed=True)`). The KV cache is a pytree
   {"k", "v"}: [L, B, S, G, hd], written at `start` and attended with a position mask,
   so prefill and decode are the same code path.
 """
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ftjax import host
 from ftjax.config import ModelConfig
 
 # An expert executor call: (moe_layer, x [N, D], expert_ids [N, K], weights [N, K],
@@ -37,6 +40,17 @@ ExpertCall = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array, Any], tu
 def _param(shape: tuple[int, ...], dtype) -> nnx.Param:
     # Placeholders: real values come from the checkpoint (or an init function).
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def _linear_param(d_in: int, d_out: int, dtype, packed: bool) -> nnx.Param:
+    return _param((d_out, d_in), jnp.uint16) if packed else _param((d_in, d_out), dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] -> [..., out]; w float [in, out], or packed uint16 [out, in]."""
+    if w.dtype == jnp.uint16:
+        return host.linear(x, w).astype(x.dtype)
+    return x @ w
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -81,11 +95,12 @@ def attention_mask(q_pos: jax.Array, cache_len: int, window: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
         D, H, G, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.window = cfg, cfg.sliding_windows[layer]
-        self.wq, self.wk, self.wv = _param((D, H * hd), dtype), _param((D, G * hd), dtype), _param((D, G * hd), dtype)
-        self.wo = _param((H * hd, D), dtype)
+        self.wq = _linear_param(D, H * hd, dtype, packed)
+        self.wk, self.wv = _linear_param(D, G * hd, dtype, packed), _linear_param(D, G * hd, dtype, packed)
+        self.wo = _linear_param(H * hd, D, dtype, packed)
         if cfg.qkv_bias:
             self.bq, self.bk, self.bv = _param((H * hd,), dtype), _param((G * hd,), dtype), _param((G * hd,), dtype)
         if cfg.o_bias:
@@ -97,7 +112,7 @@ class Attention(nnx.Module):
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
-        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]  # [B, T, H*hd], [B, T, G*hd] x2
+        q, k, v = linear(x, self.wq[...]), linear(x, self.wk[...]), linear(x, self.wv[...])  # [B, T, H*hd], [B, T, G*hd] x2
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm == "full":
@@ -138,19 +153,19 @@ class Attention(nnx.Module):
         scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("bgrts,bsgd->btgrd", probs, cache_v.astype(q.dtype)).reshape(B, T, H * hd)
-        out = out @ self.wo[...]
+        out = linear(out, self.wo[...])
         if cfg.o_bias:
             out = out + self.bo[...]
         return out, kv
 
 
 class DenseMLP(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, dtype=jnp.float32):
-        self.w_gate, self.w_up = _param((d_model, d_ff), dtype), _param((d_model, d_ff), dtype)
-        self.w_down = _param((d_ff, d_model), dtype)
+    def __init__(self, d_model: int, d_ff: int, dtype=jnp.float32, packed: bool = False):
+        self.w_gate, self.w_up = _linear_param(d_model, d_ff, dtype, packed), _linear_param(d_model, d_ff, dtype, packed)
+        self.w_down = _linear_param(d_ff, d_model, dtype, packed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        return linear(jax.nn.silu(linear(x, self.w_gate[...])) * linear(x, self.w_up[...]), self.w_down[...])
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -165,38 +180,38 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 class MoEBlock(nnx.Module):
     """Router (+ shared expert); the routed experts run wherever the executor puts them."""
 
-    def __init__(self, cfg: ModelConfig, moe_index: int, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, moe_index: int, dtype=jnp.float32, packed: bool = False):
         self.cfg, self.moe_index = cfg, moe_index
-        self.w_router = _param((cfg.d_model, cfg.num_experts), dtype)
+        self.w_router = _linear_param(cfg.d_model, cfg.num_experts, dtype, packed)
         if cfg.shared_expert_d_ff:
-            self.shared = DenseMLP(cfg.d_model, cfg.shared_expert_d_ff, dtype)
+            self.shared = DenseMLP(cfg.d_model, cfg.shared_expert_d_ff, dtype, packed)
             if cfg.shared_expert_gate:
-                self.w_shared_gate = _param((cfg.d_model, 1), dtype)
+                self.w_shared_gate = _linear_param(cfg.d_model, 1, dtype, packed)
 
     def __call__(self, x: jax.Array, valid: jax.Array, experts: ExpertCall, expert_state):
         """x [B, T, D], valid [B, T] -> [B, T, D]."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)  # [N, D]
-        ids, weights = route(flat @ self.w_router[...], self.cfg.top_k, self.cfg.norm_topk_prob)
+        ids, weights = route(linear(flat, self.w_router[...]), self.cfg.top_k, self.cfg.norm_topk_prob)
         y, expert_state = experts(self.moe_index, flat, ids, weights.astype(flat.dtype), valid.reshape(-1), expert_state)
         if self.cfg.shared_expert_d_ff:
             shared = self.shared(flat)
             if self.cfg.shared_expert_gate:
-                shared = jax.nn.sigmoid(flat @ self.w_shared_gate[...]) * shared
+                shared = jax.nn.sigmoid(linear(flat, self.w_shared_gate[...])) * shared
             y = y + shared
         return y.reshape(B, T, D), expert_state
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, layer, dtype)
+        self.attn = Attention(cfg, layer, dtype, packed)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
         if cfg.moe_layers[layer]:
-            self.moe = MoEBlock(cfg, cfg.moe_index(layer), dtype)
+            self.moe = MoEBlock(cfg, cfg.moe_index(layer), dtype, packed)
         else:
-            self.mlp = DenseMLP(cfg.d_model, cfg.d_ff, dtype)
+            self.mlp = DenseMLP(cfg.d_model, cfg.d_ff, dtype, packed)
 
     def __call__(self, x, positions, start, valid, rope, kv, experts, expert_state):
         h, kv = self.attn(self.attn_norm(x), positions, start, rope, self.layer, kv)
@@ -210,15 +225,18 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Embedding -> L decoder layers -> norm -> LM head. Expert weights live outside."""
+    """Embedding -> L decoder layers -> norm -> LM head. Expert weights live outside.
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    packed: every matrix is bf16 bits [out, in] (see `linear`) and the embedding
+    [V, D] is bf16 bits too; norms and biases stay `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, packed: bool = False):
         self.cfg = cfg
-        self.embed = _param((cfg.vocab_size, cfg.d_model), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
+        self.embed = _param((cfg.vocab_size, cfg.d_model), jnp.uint16 if packed else dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, packed) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
         if not cfg.tie_embeddings:
-            self.lm_head = _param((cfg.d_model, cfg.vocab_size), dtype)
+            self.lm_head = _linear_param(cfg.d_model, cfg.vocab_size, dtype, packed)
 
     def __call__(self, tokens, start, valid, kv, experts: ExpertCall, expert_state, logits_at=None):
         """tokens [B, T] at positions start..start+T-1 -> logits [B, T, V] f32, kv, expert_state.
@@ -239,15 +257,20 @@ class CausalLM(nnx.Module):
         return positions, rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return self.embed[...][tokens]  # [B, T, D]
+        rows = self.embed[...][tokens]  # [B, T, D]
+        if rows.dtype == jnp.uint16:
+            return jax.lax.bitcast_convert_type(rows, jnp.bfloat16).astype(jnp.float32)
+        return rows
 
     def head(self, x: jax.Array, logits_at=None) -> jax.Array:
         """Final norm + LM head -> f32 logits [B, T, V] (or [B, 1, V] at logits_at [B])."""
         if logits_at is not None:
             x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # [B, 1, D]
         x = self.norm(x)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        return (x @ head).astype(jnp.float32)
+        if self.cfg.tie_embeddings:  # embed [V, D]: packed it is already [out, in]
+            embed = self.embed[...]
+            return (linear(x, embed) if embed.dtype == jnp.uint16 else x @ embed.T).astype(jnp.float32)
+        return linear(x, self.lm_head[...]).astype(jnp.float32)
 
 
 def empty_kv_cache(cfg: ModelConfig, batch: int, cache_len: int, dtype=jnp.float32) -> dict[str, jax.Array]:

@@ -1,0 +1,31 @@
+// Dense linear layer y = x . W^T over a few tokens, W read in place (bf16 bits or f32).
+//
+// For the non-expert weights of a decode step (attention projections, router, LM
+// head): at batch 1 these are matrix-vector products, bound by how fast W streams
+// from memory, and XLA's CPU dot on bf16 operands runs far below that (DESIGN.md).
+// W keeps the HF nn.Linear layout [out, in] so every output is one contiguous row.
+// Tasks are blocks of rows (disjoint outputs); tokens are tiled so their activations
+// stay in cache while the rows stream, as in expert_ffn.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace ftjax {
+
+// Letters: N output features (rows of W), K input features, T tokens.
+struct DenseView {
+  const void* w;  // [N, K] row-major
+  int64_t rows;   // N
+  int64_t cols;   // K
+  WeightType wtype;
+};
+
+// y [T, N] = x [T, K] . W^T. Returns "" on success, else an error (missing ISA).
+std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float* y,
+                   ThreadPool* threads, Isa isa);
+
+}  // namespace ftjax

@@ -1,0 +1,94 @@
+"""The dense linear host kernel (host_kernels/linear.cc) against its numpy reference,
+directly and through `ftjax.host.linear` inside jit (FFI on CPU, XLA above the token
+threshold), and the packed (bf16 bits [out, in]) weights of `models.common.linear`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ftjax import host
+from ftjax.experts.pool import to_bf16_bits
+from ftjax.host import Boundary, Isa, available_isas, linear_numpy, reference_linear
+from ftjax.models.common import linear as model_linear
+
+ISAS = available_isas()
+
+
+def make(rng, n_out, n_in, tokens, dtype):
+    w = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)  # [N, K]
+    if dtype == "bfloat16":
+        w = to_bf16_bits(w)
+    x = rng.standard_normal((tokens, n_in)).astype(np.float32)  # [T, K]
+    return x, w
+
+
+def assert_close(y, ref):
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * max(1.0, float(np.abs(ref).max())))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n_out,n_in,tokens", [
+    (1, 1, 1), (7, 13, 1), (33, 64, 1), (130, 97, 2), (9, 31, 3), (200, 160, 5), (17, 300, 50),
+    (1000, 64, 4),
+])
+def test_linear_matches_reference(dtype, isa, threads, n_out, n_in, tokens):
+    rng = np.random.default_rng(n_out * 1000 + n_in + tokens)
+    x, w = make(rng, n_out, n_in, tokens, dtype)
+    assert_close(linear_numpy(x, w, threads=threads, isa=isa), reference_linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 3, host.LINEAR_KERNEL_MAX_TOKENS, host.LINEAR_KERNEL_MAX_TOKENS + 1])
+def test_jit_linear_matches_reference(dtype, tokens):
+    """In jit: FFI kernel up to the threshold, XLA's GEMM above it; same numbers."""
+    rng = np.random.default_rng(tokens)
+    x, w = make(rng, 70, 48, tokens, dtype)
+    y = jax.jit(host.linear)(jnp.asarray(x), jnp.asarray(w))
+    assert y.shape == (tokens, 70) and y.dtype == jnp.float32
+    assert_close(np.asarray(y), reference_linear(x, w))
+
+
+def test_leading_axes_and_lowering():
+    rng = np.random.default_rng(1)
+    x, w = make(rng, 24, 16, 6, "bfloat16")
+    x3 = jnp.asarray(x.reshape(2, 3, 16))  # [B, T, K]
+    y = jax.jit(host.linear)(x3, jnp.asarray(w))
+    assert y.shape == (2, 3, 24)
+    assert_close(np.asarray(y).reshape(6, 24), reference_linear(x, w))
+    hlo = jax.jit(host.linear).lower(x3, jnp.asarray(w)).as_text()
+    assert host.LINEAR_FFI_TARGET in hlo  # a decode-sized call goes to the kernel
+    big = jnp.zeros((1, host.LINEAR_KERNEL_MAX_TOKENS + 1, 16))
+    assert host.LINEAR_FFI_TARGET not in jax.jit(host.linear).lower(big, jnp.asarray(w)).as_text()
+
+
+def test_callback_boundary_uses_xla():
+    rng = np.random.default_rng(2)
+    x, w = make(rng, 10, 12, 2, "bfloat16")
+    fn = jax.jit(lambda x, w: host.linear(x, w, boundary=Boundary.CALLBACK))
+    assert host.LINEAR_FFI_TARGET not in fn.lower(x, w).as_text()
+    assert_close(np.asarray(fn(x, w)), reference_linear(x, w))
+
+
+def test_model_linear_dispatches_on_storage():
+    """float [in, out] weights multiply as x @ w; uint16 [out, in] go to the kernel."""
+    rng = np.random.default_rng(3)
+    x, w_bits = make(rng, 12, 8, 2, "bfloat16")
+    w_f32 = (w_bits.astype(np.uint32) << 16).view(np.float32)  # the same values
+    packed = np.asarray(model_linear(jnp.asarray(x), jnp.asarray(w_bits)))
+    plain = np.asarray(model_linear(jnp.asarray(x), jnp.asarray(w_f32.T)))
+    assert_close(packed, plain)
+
+
+def test_bad_arguments_raise():
+    rng = np.random.default_rng(4)
+    x, w = make(rng, 8, 6, 2, "float32")
+    with pytest.raises(ValueError, match="x must be"):
+        linear_numpy(x[:, :5], w)
+    with pytest.raises(ValueError, match="float32 or uint16"):
+        linear_numpy(x, w.astype(np.float64))
+    if Isa.AVX512 not in ISAS:
+        with pytest.raises(ValueError, match="ISA"):
+            linear_numpy(x, w, isa=Isa.AVX512)
