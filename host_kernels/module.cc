@@ -28,10 +28,11 @@ using X2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Ids2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Y2 = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-WeightType weight_type_of(const Pool4& a) {
+template <typename Array>
+WeightType weight_type_of(const Array& a) {
   if (a.dtype() == nb::dtype<uint16_t>()) return WeightType::kBF16;
   if (a.dtype() == nb::dtype<float>()) return WeightType::kF32;
-  throw std::invalid_argument("pool arrays must be float32 or uint16 (bf16 bits)");
+  throw std::invalid_argument("weights must be float32 or uint16 (bf16 bits)");
 }
 
 // gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView.
@@ -73,13 +74,7 @@ void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const
 using W2 = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int isa) {
-  WeightType wtype;
-  if (w.dtype() == nb::dtype<uint16_t>())
-    wtype = WeightType::kBF16;
-  else if (w.dtype() == nb::dtype<float>())
-    wtype = WeightType::kF32;
-  else
-    throw std::invalid_argument("w must be float32 or uint16 (bf16 bits)");
+  const WeightType wtype = weight_type_of(w);
   const int64_t N = w.shape(0), K = w.shape(1), T = x.shape(0);
   if ((int64_t)x.shape(1) != K)
     throw std::invalid_argument("x must be [T, K] with K = " + std::to_string(K));
