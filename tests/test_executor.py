@@ -155,3 +155,59 @@ def test_pool_view_aliases_host_memory(setup):
     pool = model.checkpoint.pool
     assert model._pool_dev["gate_up"].unsafe_buffer_pointer() == pool.gate_up.ctypes.data
     assert model._pool_dev["down"].unsafe_buffer_pointer() == pool.down.ctypes.data
+
+
+# ---- the decode bookkeeping (over the assignments) against the prefill one (sorts) ----
+
+def random_book(rng, Lm, E, slots, t):
+    """A consistent slot table: some experts resident in random slots, stamps < t with
+    many ties (records select several experts), some slots free."""
+    n_res = rng.integers(0, slots + 1)
+    residents = rng.choice(Lm * E, n_res, replace=False)
+    where = rng.choice(slots, n_res, replace=False)
+    slot_of = np.full(Lm * E, -1, np.int32)
+    id_of_slot = np.full(slots, -1, np.int32)
+    slot_of[residents], id_of_slot[where] = where, residents
+    stamp = rng.integers(0, t, Lm * E).astype(np.int32)  # < t, with ties; 0 = never used
+    return slot_of, id_of_slot, stamp
+
+
+@pytest.mark.parametrize("N,K,E,Lm,slots,table", [
+    (1, 2, 16, 4, 8, "transfer"),  # decode: nothing fetched, free slots, full cache evictions
+    (1, 2, 16, 4, 2, "transfer"),  # fewer slots than misses
+    (1, 8, 8, 3, 5, "adaptive"),  # every expert selected, q* split
+    (1, 1, 4, 2, 1, "transfer"),  # one slot
+    (4, 2, 6, 2, 4, "transfer"),  # several tokens: repeated experts, invalid tokens
+    (2, 3, 8, 2, 6, "host"),  # q = 0: no bookkeeping of slots at all
+])
+def test_few_assignment_bookkeeping_matches_sorted(N, K, E, Lm, slots, table):
+    """`lru_few` (decode: comparisons over the assignments) decides exactly what
+    `lru_many` (sorts over every expert and slot) decides, on random states."""
+    import jax
+    import jax.numpy as jnp
+    from ftjax.experts.executor import lru_few, lru_many, selected_mask
+    from ftjax.experts.policy import POLICIES, q_table
+
+    policy = {"transfer": "lru-transfer-only", "adaptive": "lru", "host": "lru-host-only"}[table]
+    q_of = jnp.asarray(q_table(POLICIES[policy], E, 0.4))
+    A = N * K
+    P = int(min(slots, np.asarray(q_of)[: min(A, E) + 1].max()))
+    few = jax.jit(lambda a, base, book, t: lru_few(a, base, E, slots, q_of, P, *book, t), static_argnums=1)
+    many = jax.jit(lambda sel, base, book, t: lru_many(sel, base, E, slots, q_of, *book, t), static_argnums=1)
+    rng = np.random.default_rng(N * 1000 + K * 100 + slots)
+    for case in range(60):
+        layer, t = int(rng.integers(Lm)), int(rng.integers(1, 40))
+        book = random_book(rng, Lm, E, slots, t)
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+        valid = rng.random(N) < (0.8 if N > 1 else 1.0)
+        ids = np.where(valid[:, None], ids, -1)
+        sel = selected_mask(jnp.maximum(ids, 0), jnp.asarray(valid), E)
+        book_f, codes_f, (expert, slot, do) = few(jnp.asarray(ids.reshape(-1)), layer * E, book, jnp.int32(t))
+        book_m, codes_m, fetched, target = many(sel, layer * E, book, jnp.int32(t))
+        for name, f, m in zip(("slot_of", "id_of_slot", "stamp"), book_f, book_m):
+            np.testing.assert_array_equal(np.asarray(f), np.asarray(m), err_msg=f"case {case}: {name}")
+        np.testing.assert_array_equal(np.asarray(codes_f), np.asarray(codes_m), err_msg=f"case {case}: codes")
+        do = np.asarray(do)
+        copies = sorted(zip(np.asarray(expert)[do].tolist(), np.asarray(slot)[do].tolist()))
+        fetched = np.asarray(fetched)
+        assert copies == sorted(zip(np.flatnonzero(fetched).tolist(), np.asarray(target)[fetched].tolist())), case

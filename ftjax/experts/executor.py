@@ -28,6 +28,21 @@ a read-only device view (zero-copy on the CPU backend).
 Exact rules are those of `ftjax.lab` (the offline simulator is the test oracle); the
 policy table is in `policy.py`. bf16 weights are stored as uint16 and converted to f32
 per expert at use (XLA CPU would otherwise convert whole buffers).
+
+Cost model (decode, XLA CPU): every op of the step costs ~0.2-1 us to dispatch, a sort
+~10 us at 64 slots (growing with the cache), a cond or loop ~1 us; the data of a decode
+record is tiny. So the bookkeeping comes in two forms with the same rules (tests check
+one against the other and both against the lab):
+    few assignments (A = N*K <= 16, decode)   `lru_few`: comparisons over the A
+        assignments ([A, A], [E, A], [slots, A]) and one two-key minimum over the slots
+        per possible fetch; P = a static bound on fetches per record from the q table
+        (0 for lru-host-only and the static policies: no victim search, no transfer code);
+        the P transfers are P conds.
+    many assignments (prefill)                `lru_many`: stable sorts over all E experts
+        and all slots, transfers in a loop.
+The expert pool is indexed whole, never through a layer's slice (XLA copies such a
+slice on every record): the `device` policy reads it reshaped to [Lm*E, ...] (free).
+A = N*K assignments (legend in `ftjax.models.common`).
 """
 
 from __future__ import annotations
@@ -44,6 +59,9 @@ HIT, FETCHED, HOST, STREAMED = 1, 2, 3, 4
 # Above this many assignments per record, the device path loops over experts instead
 # of over assignments (prefill).
 _ASSIGNMENT_LOOP_MAX = 64
+# Up to this many assignments per record, the cache bookkeeping works over the
+# assignments (no sorts; decode); above it, over all experts and slots (prefill).
+_FEW_ASSIGNMENTS = 16
 
 HostFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # (x, layer, ids, w) -> y
 
@@ -62,9 +80,12 @@ def swiglu(gate_up: jax.Array, down: jax.Array, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(h[:, :F]) * h[:, F:]) @ as_f32(down).T
 
 
-def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Array:
+def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Array, weights: jax.Array, *,
+               row_range: tuple[int, int] | None = None) -> jax.Array:
     """y [N, D] = Σ_k weights[n,k] · expert_{rows[n,k]}(x[n]); rows index gate_up/down's
-    first axis ([R, 2F, D], [R, D, F]); rows < 0 are skipped."""
+    first axis ([R, 2F, D], [R, D, F]); rows < 0 are skipped. row_range = (first, count):
+    the rows that can occur (default: all), so a caller can pass a whole pool
+    ([Lm*E, ...], a free reshape) instead of a layer's slice, which XLA would copy."""
     N, K = rows.shape
     x32 = x.astype(jnp.float32)
     if N * K <= _ASSIGNMENT_LOOP_MAX:
@@ -83,15 +104,15 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
                 y = jax.lax.cond(r >= 0, run, lambda y: y, y)
         return y.astype(x.dtype)
 
-    R = gate_up.shape[0]
-    # combine [N, R]: routing weight of each token for each row (0 when unused)
-    combine = jnp.zeros((N, R), jnp.float32).at[jnp.arange(N)[:, None], jnp.maximum(rows, 0)].add(
+    first, R = row_range or (0, gate_up.shape[0])
+    # combine [N, R]: routing weight of each token for each candidate row (0 when unused)
+    combine = jnp.zeros((N, R), jnp.float32).at[jnp.arange(N)[:, None], jnp.clip(rows - first, 0, R - 1)].add(
         jnp.where(rows >= 0, weights.astype(jnp.float32), 0.0))
     used = jnp.any(combine != 0, axis=0)  # [R]
 
     def per_row(y, r):  # scan over rows: each used expert streams once for all tokens
         def run(y):
-            out = swiglu(gate_up[r], down[r], x32)
+            out = swiglu(gate_up[first + r], down[first + r], x32)
             return y + combine[:, r][:, None] * out
         return jax.lax.cond(used[r], run, lambda y: y, y), None
 
@@ -101,8 +122,156 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
 
 def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
     """U as a mask [E]: experts chosen by at least one valid token. ids [N, K], valid [N]."""
-    K = ids.shape[1]
+    N, K = ids.shape
+    if N * K <= _FEW_ASSIGNMENTS:  # one [E, N*K] comparison fuses into its users; a scatter does not
+        hit = (ids[None] == jnp.arange(num_experts)[:, None, None]) & valid[None, :, None]  # [E, N, K]
+        return jnp.any(hit, axis=(1, 2))
     return jnp.zeros(num_experts, bool).at[ids.reshape(-1)].max(jnp.repeat(valid, K))
+
+
+_BIG = int(np.iinfo(np.int32).max)  # sorts after every stamp, id and slot
+
+
+def lru_few(a, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot, stamp, t):
+    """Rules 1-5 (see `ftjax.lab.lru`) for a record of few assignments (decode), worked
+    out over the A assignments themselves: [A, A], [E, A] and [slots, A] comparisons and
+    one two-key minimum over the slots per possible fetch, no sort (on XLA CPU a sort of
+    64 slots costs ~10 us and grows with the cache; each op here ~0.2 us).
+
+    a [A] expert ids of this layer (-1 = invalid token); max_fetch: static bound on the
+    experts fetched per record (0: never, e.g. lru-host-only); t [] this record's stamp.
+    -> (slot_of, id_of_slot, stamp) updated, codes [E] int8, and the transfers:
+       (expert ids [P], slots [P], do [P]), P = max_fetch."""
+    in_u = jnp.any(a[None, :] == jnp.arange(E)[:, None], axis=1)  # [E] U as a mask
+    layer_stamp = jnp.where(in_u, t, stamp[base:base + E])  # [E] rule 5
+
+    P = max_fetch
+    if P == 0:  # nothing is ever fetched: hits and host work only, the slot table stays
+        codes = jnp.where(in_u, jnp.where(slot_of[base:base + E] >= 0, HIT, HOST), 0).astype(jnp.int8)
+        stamp = stamp.at[base:base + E].set(layer_stamp)
+        return (slot_of, id_of_slot, stamp), codes, (jnp.zeros(0, jnp.int32),) * 2 + (jnp.zeros(0, bool),)
+
+    A = a.shape[0]
+    j = jnp.arange(A)
+    repeat = jnp.any((a[None, :] == a[:, None]) & (j[None, :] < j[:, None]), axis=1)  # [A] seen at j' < j
+    first = (a >= 0) & ~repeat  # [A]: U, each expert once
+    g = base + jnp.maximum(a, 0)  # [A] global ids
+    slot, last = slot_of[g], stamp[g]
+    hit, miss = first & (slot >= 0), first & (slot < 0)
+    n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
+    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
+    # rule 3: the q misses used most recently (never = stamp 0 = oldest), ties -> lower id;
+    # before[j, j'] = j' comes before j in that order
+    before = (last[None, :] > last[:, None]) | ((last[None, :] == last[:, None]) & (a[None, :] < a[:, None]))
+    fetched = miss & (jnp.sum(miss[None, :] & before, axis=1) < q)  # [A]
+    host = miss & ~fetched
+
+    # rule 4: the i-th fetched expert in ascending id order takes the i-th victim slot
+    order = jnp.sum(fetched[None, :] & (a[None, :] < a[:, None]), axis=1)  # [A]
+    pick = jnp.arange(P)
+    do = pick < jnp.sum(fetched)  # [P]
+    expert = jnp.sum(jnp.where(fetched[None, :] & (order[None, :] == pick[:, None]), a[None, :], 0), axis=1)  # [P]
+    occupant = id_of_slot  # [slots]
+    free = occupant < 0
+    needed = jnp.any(hit[None, :] & (g[None, :] == occupant[:, None]), axis=1)  # [slots] residents in U
+    victim = victim_slots(
+        k1=jnp.where(free, -1, jnp.where(needed, _BIG, stamp[jnp.maximum(occupant, 0)])),
+        k2=jnp.where(free, jnp.arange(slots, dtype=jnp.int32), occupant),
+        slot_of=slot_of, count=P)  # [P]
+    evicted = occupant[victim]  # [P] (-1: was free)
+
+    stamp = stamp.at[base:base + E].set(layer_stamp)
+    oob = slot_of.shape[0]  # out-of-bounds index: dropped by mode="drop"
+    # evicted experts are resident, fetched ones are not: one scatter sets both
+    where = jnp.concatenate([jnp.where(do & (evicted >= 0), evicted, oob), jnp.where(do, base + expert, oob)])
+    slot_of = slot_of.at[where].set(jnp.concatenate([jnp.full(P, -1, jnp.int32), victim]), mode="drop")
+    id_of_slot = id_of_slot.at[jnp.where(do, victim, slots)].set(base + expert, mode="drop")
+
+    code = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0)))  # [A] (0 on repeats)
+    codes = jnp.max(jnp.where(a[None, :] == jnp.arange(E)[:, None], code[None, :], 0), axis=1).astype(jnp.int8)
+    return (slot_of, id_of_slot, stamp), codes, (expert, victim, do)
+
+
+def victim_slots(k1, k2, slot_of, count):
+    """The first `count` slots in (k1, k2) order, one two-key minimum per pick.
+
+    k1, k2 [slots]: free slot s -> (-1, s); resident expert g -> (stamp[g], g);
+    slots that must not be taken -> k1 = BIG. The pair is unique per slot.
+    -> [count] slots (past the number of eligible slots: meaningless)."""
+    picks = []
+    for _ in range(count):
+        m1 = jnp.min(k1)
+        m2 = jnp.min(jnp.where(k1 == m1, k2, _BIG))
+        picks.append(jnp.where(m1 < 0, m2, slot_of[jnp.clip(m2, 0, slot_of.shape[0] - 1)]))
+        k1 = jnp.where((k1 == m1) & (k2 == m2), _BIG, k1)
+    return jnp.clip(jnp.stack(picks), 0, k1.shape[0] - 1)
+
+
+def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
+    """Rules 1-5 for a record of many assignments (prefill), over all E experts and all
+    slots with sorts. sel [E] = U.
+    -> (slot_of, id_of_slot, stamp) updated, codes [E] int8, fetched [E], target [E] slot."""
+    gidx = base + jnp.arange(E, dtype=jnp.int32)  # [E] global ids of this layer
+    resident = slot_of[gidx] >= 0
+    hit, miss = sel & resident, sel & ~resident
+    n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
+    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
+
+    # fetched = the q misses used most recently (never = stamp 0 = oldest), ties -> lower id
+    recency = jnp.where(miss, -stamp[gidx], _BIG)
+    order = jnp.argsort(recency, stable=True)
+    rank = jnp.zeros(E, jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
+    fetched = miss & (rank < q)
+    host = miss & ~fetched
+
+    # victim order: free slots (by index), then residents not in U by (stamp, global id)
+    occupant = id_of_slot  # [slots]
+    free = occupant < 0
+    occ = jnp.maximum(occupant, 0)
+    needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free
+    klass = jnp.where(free, 0, jnp.where(needed, 2, 1))
+    slot_ids = jnp.arange(slots, dtype=jnp.int32)
+    candidates = jnp.lexsort((jnp.where(free, 0, occ), jnp.where(free, slot_ids, stamp[occ]), klass))
+    fetch_pos = jnp.cumsum(fetched) - 1  # i-th fetched expert in ascending id order
+    target = jnp.where(fetched, candidates[jnp.clip(fetch_pos, 0, slots - 1)], -1)  # [E] slot per fetched
+
+    oob = slot_of.shape[0]  # out-of-bounds index: dropped by mode="drop"
+    evicted = jnp.where(fetched, occupant[jnp.maximum(target, 0)], -1)  # [E]
+    slot_of = slot_of.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
+    slot_of = slot_of.at[jnp.where(fetched, gidx, oob)].set(target, mode="drop")
+    id_of_slot = id_of_slot.at[jnp.where(fetched, target, slots)].set(gidx, mode="drop")
+    stamp = stamp.at[jnp.where(sel, gidx, oob)].set(t, mode="drop")
+    codes = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
+    return (slot_of, id_of_slot, stamp), codes, fetched, target
+
+
+def copy_expert(cache, pool, layer, e, s):
+    """cache slot s <- pool expert (layer, e)."""
+    gu = jax.lax.dynamic_slice_in_dim(pool["gate_up"][layer], e, 1)
+    dn = jax.lax.dynamic_slice_in_dim(pool["down"][layer], e, 1)
+    return {"gate_up": jax.lax.dynamic_update_index_in_dim(cache["gate_up"], gu, s, 0),
+            "down": jax.lax.dynamic_update_index_in_dim(cache["down"], dn, s, 0)}
+
+
+def copy_in(cache, pool, layer, copies):
+    """Transfer of a few fetched experts: copies = (experts [P], slots [P], do [P])."""
+    experts, slots, do = copies
+    for i in range(experts.shape[0]):
+        cache = jax.lax.cond(do[i], lambda c, i=i: copy_expert(c, pool, layer, experts[i], slots[i]),
+                             lambda c: c, cache)
+    return cache
+
+
+def copy_in_loop(cache, pool, layer, fetched, target):
+    """Transfer of the fetched experts (mask [E], target slots [E]), as a loop."""
+    E = fetched.shape[0]
+    fetched_ids = jnp.nonzero(fetched, size=E, fill_value=0)[0]
+
+    def body(i, cache):
+        e = fetched_ids[i]
+        return copy_expert(cache, pool, layer, e, target[e])
+
+    return jax.lax.fori_loop(0, jnp.sum(fetched), body, cache)
 
 
 class Executor:
@@ -120,6 +289,12 @@ class Executor:
         self.ratio = transfer_ratio
         self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1]
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
+
+    def max_fetch(self, assignments: int) -> int:
+        """Static bound on the experts one record of `assignments` can fetch: the
+        largest q over its possible miss counts, at most the slots."""
+        m = min(assignments, self.num_experts)
+        return int(min(self.slots, self.q_of_misses[: m + 1].max()))
 
     # ---- state -------------------------------------------------------------------------
     def init_state(self, pool_gate_up: np.ndarray, pool_down: np.ndarray) -> dict[str, Any]:
@@ -150,7 +325,10 @@ class Executor:
         ids = jnp.where(valid[:, None], ids, -1)
         sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
         if self.policy.name == "device":
-            y = device_ffn(pool["gate_up"][layer], pool["down"][layer], x, ids, weights)
+            E = self.num_experts
+            flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in pool.items()}  # [Lm*E, ...]: no copy
+            rows = jnp.where(ids >= 0, layer * E + ids, -1)
+            y = device_ffn(flat["gate_up"], flat["down"], x, rows, weights, row_range=(layer * E, E))
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
         if self.policy.name == "host":
             y = self.host_fn(x, jnp.int32(layer), ids, weights)
@@ -158,67 +336,31 @@ class Executor:
         return self._cached(layer, x, ids, weights, sel, state, pool)
 
     def _cached(self, layer, x, ids, weights, sel, state, pool):
+        """The slot-cache policies: bookkeeping (decode or prefill form), transfers, then
+        device part from the cache + host part."""
         E, S = self.num_experts, self.slots
         base = layer * E
-        gidx = base + jnp.arange(E, dtype=jnp.int32)  # [E] global ids of this layer
-        slot_of, id_of_slot, stamp = state["slot_of"], state["id_of_slot"], state["stamp"]
+        A = ids.size
+        table = jnp.asarray(self.q_of_misses)
         t = state["t"] + 1
+        book = (state["slot_of"], state["id_of_slot"], state["stamp"])
+        if A <= _FEW_ASSIGNMENTS:
+            (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), base, E, S, table,
+                                                                  self.max_fetch(A), *book, t)
+            cache = copy_in(state["cache"], pool, layer, copies)
+        else:
+            (slot_of, id_of_slot, stamp), codes, fetched, target = lru_many(sel, base, E, S, table, *book, t)
+            cache = copy_in_loop(state["cache"], pool, layer, fetched, target)
 
-        resident = slot_of[gidx] >= 0
-        hit, miss = sel & resident, sel & ~resident
-        n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
-        q = jnp.minimum(jnp.asarray(self.q_of_misses)[n_miss], S - n_hit)
-
-        # fetched = the q misses used most recently (never = stamp 0 = oldest), ties -> lower id
-        recency = jnp.where(miss, -stamp[gidx], jnp.iinfo(jnp.int32).max)
-        order = jnp.argsort(recency, stable=True)
-        rank = jnp.zeros(E, jnp.int32).at[order].set(jnp.arange(E, dtype=jnp.int32))
-        fetched = miss & (rank < q)
-        host = miss & ~fetched
-
-        # victim order: free slots (by index), then residents not in U by (stamp, global id)
-        occupant = id_of_slot  # [S]
-        free = occupant < 0
-        occ = jnp.maximum(occupant, 0)
-        needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free
-        klass = jnp.where(free, 0, jnp.where(needed, 2, 1))
-        slot_ids = jnp.arange(S, dtype=jnp.int32)
-        candidates = jnp.lexsort((jnp.where(free, 0, occ), jnp.where(free, slot_ids, stamp[occ]), klass))
-        fetch_pos = jnp.cumsum(fetched) - 1  # i-th fetched expert in ascending id order
-        target = jnp.where(fetched, candidates[jnp.clip(fetch_pos, 0, S - 1)], -1)  # [E] slot per fetched
-
-        oob = slot_of.shape[0]  # out-of-bounds index: dropped by mode="drop"
-        evicted = jnp.where(fetched, occupant[jnp.maximum(target, 0)], -1)  # [E]
-        slot_of = slot_of.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
-        slot_of = slot_of.at[jnp.where(fetched, gidx, oob)].set(target, mode="drop")
-        id_of_slot = id_of_slot.at[jnp.where(fetched, target, S)].set(gidx, mode="drop")
-        stamp = stamp.at[jnp.where(sel, gidx, oob)].set(t, mode="drop")
-
-        # transfer: copy each fetched expert's rows pool -> its cache slot
-        fetched_ids = jnp.nonzero(fetched, size=E, fill_value=0)[0]
-        n_fetched = jnp.sum(fetched)
-
-        def copy(i, cache):
-            e = fetched_ids[i]
-            s = target[e]
-            gu = jax.lax.dynamic_index_in_dim(pool["gate_up"][layer], e, keepdims=True)
-            dn = jax.lax.dynamic_index_in_dim(pool["down"][layer], e, keepdims=True)
-            return {"gate_up": jax.lax.dynamic_update_index_in_dim(cache["gate_up"], gu, s, 0),
-                    "down": jax.lax.dynamic_update_index_in_dim(cache["down"], dn, s, 0)}
-
-        cache = jax.lax.fori_loop(0, n_fetched, copy, state["cache"])
-
-        on_device = hit | fetched
+        # after the update, an assignment runs on the device iff its expert is resident
         safe = jnp.maximum(ids, 0)
-        dev_rows = jnp.where((ids >= 0) & on_device[safe], slot_of[base + safe], -1)
-        host_ids = jnp.where((ids >= 0) & host[safe], ids, -1)
+        slot = slot_of[base + safe]  # [N, K]
+        dev_rows = jnp.where(ids >= 0, slot, -1)
+        host_ids = jnp.where((ids >= 0) & (slot < 0), ids, -1)
         y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights)
         y = y + self.host_fn(x, jnp.int32(layer), host_ids, weights).astype(y.dtype)
-
-        codes = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
         return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
                    "t": t, "codes": state["codes"].at[layer].set(codes)}
-
 
     # ---- one streamed prefill record ---------------------------------------------------------
     def streamed(self, layer: int, x, ids, weights, valid, state, block):
