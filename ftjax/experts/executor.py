@@ -56,11 +56,10 @@ import numpy as np
 from ftjax.experts.policy import Policy, q_table, static_residents
 
 HIT, FETCHED, HOST, STREAMED = 1, 2, 3, 4
-# Above this many assignments per record, the device path loops over experts instead
-# of over assignments (prefill).
-_ASSIGNMENT_LOOP_MAX = 64
-# Up to this many assignments per record, the cache bookkeeping works over the
-# assignments (no sorts; decode); above it, over all experts and slots (prefill).
+# Up to this many assignments per record (decode), the device FFN is unrolled over the
+# assignments and the cache bookkeeping works over them (no sorts); above it (prefill),
+# both loop over experts and slots. Unrolling prompt buckets too (up to 64 assignments)
+# ran no faster and made the first prefill compile 5x slower (1.7 -> 8 s, default model).
 _FEW_ASSIGNMENTS = 16
 
 HostFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # (x, layer, ids, w) -> y
@@ -88,7 +87,7 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
     ([Lm*E, ...], a free reshape) instead of a layer's slice, which XLA would copy."""
     N, K = rows.shape
     x32 = x.astype(jnp.float32)
-    if N * K <= _ASSIGNMENT_LOOP_MAX:
+    if N * K <= _FEW_ASSIGNMENTS:
         # decode: unrolled over the few assignments (a scan's loop costs more than its body
         # here); each reads only its selected expert, skipped when not placed on the device
         y = jnp.zeros_like(x32)
