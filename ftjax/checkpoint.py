@@ -239,11 +239,17 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             refs[ref.name] = ref
     stored = {r.dtype for r in refs.values()}
     ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
-    pool_dtype = expert_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")
-    if pool_dtype == "bfloat16" and any(r.dtype != "BF16" for n, r in refs.items() if ".experts." in canonical_name(n, aliases)):
-        pool_dtype = "float32"  # converting other precisions to bf16 would lose bits silently
-    packed = (dense_dtype or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")) == "bfloat16"
-    packed &= all(r.dtype == "BF16" for n, r in refs.items() if _packs(classify(canonical_name(n, aliases))))
+    canon = {name: canonical_name(name, aliases) for name in refs}
+    hits = {name: classify(c) for name, c in canon.items()}
+
+    def keeps_bf16(requested: str | None, of_kind) -> bool:
+        """bf16 storage when asked for (default: for bf16 checkpoints) and every tensor of
+        that kind is stored bf16: converting other precisions would lose bits silently."""
+        wanted = (requested or ("bfloat16" if ckpt_dtype == "bfloat16" else "float32")) == "bfloat16"
+        return wanted and all(refs[name].dtype == "BF16" for name in refs if of_kind(name))
+
+    pool_dtype = "bfloat16" if keeps_bf16(expert_dtype, lambda name: ".experts." in canon[name]) else "float32"
+    packed = keeps_bf16(dense_dtype, lambda name: _packs(hits[name]))
 
     shapes = expected_param_shapes(cfg)
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
@@ -253,10 +259,9 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     progress = _Progress(sum(r.nbytes for r in refs.values()))
 
     for name, ref in sorted(refs.items()):
-        canon = canonical_name(name, aliases)
-        hit = classify(canon)
+        hit = hits[name]
         if hit is None:
-            if any(p.fullmatch(canon) for p in IGNORED) or (cfg.tie_embeddings and canon == "lm_head.weight"):
+            if any(p.fullmatch(canon[name]) for p in IGNORED) or (cfg.tie_embeddings and canon[name] == "lm_head.weight"):
                 continue
             raise CheckpointError(f"{ref.file}: unexpected tensor {name} (not part of a {cfg.model_type} model)")
         target, groups = hit

@@ -192,7 +192,7 @@ def test_few_assignment_bookkeeping_matches_sorted(N, K, E, Lm, slots, table):
     q_of = jnp.asarray(q_table(POLICIES[policy], E, 0.4))
     A = N * K
     P = int(min(slots, np.asarray(q_of)[: min(A, E) + 1].max()))
-    few = jax.jit(lambda a, base, book, t: lru_few(a, base, E, slots, q_of, P, *book, t), static_argnums=1)
+    few = jax.jit(lambda a, sel, base, book, t: lru_few(a, sel, base, E, slots, q_of, P, *book, t), static_argnums=2)
     many = jax.jit(lambda sel, base, book, t: lru_many(sel, base, E, slots, q_of, *book, t), static_argnums=1)
     rng = np.random.default_rng(N * 1000 + K * 100 + slots)
     for case in range(60):
@@ -202,7 +202,7 @@ def test_few_assignment_bookkeeping_matches_sorted(N, K, E, Lm, slots, table):
         valid = rng.random(N) < (0.8 if N > 1 else 1.0)
         ids = np.where(valid[:, None], ids, -1)
         sel = selected_mask(jnp.maximum(ids, 0), jnp.asarray(valid), E)
-        book_f, codes_f, (expert, slot, do) = few(jnp.asarray(ids.reshape(-1)), layer * E, book, jnp.int32(t))
+        book_f, codes_f, (expert, slot, do) = few(jnp.asarray(ids.reshape(-1)), sel, layer * E, book, jnp.int32(t))
         book_m, codes_m, fetched, target = many(sel, layer * E, book, jnp.int32(t))
         for name, f, m in zip(("slot_of", "id_of_slot", "stamp"), book_f, book_m):
             np.testing.assert_array_equal(np.asarray(f), np.asarray(m), err_msg=f"case {case}: {name}")

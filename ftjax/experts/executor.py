@@ -131,22 +131,27 @@ def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Arr
 _BIG = int(np.iinfo(np.int32).max)  # sorts after every stamp, id and slot
 
 
-def lru_few(a, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot, stamp, t):
+def outcome_codes(hit, fetched, host) -> jax.Array:
+    """Per-expert telemetry codes from the record's outcome masks (0 = not selected)."""
+    return jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
+
+
+def lru_few(a, sel, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot, stamp, t):
     """Rules 1-5 (see `ftjax.lab.lru`) for a record of few assignments (decode), worked
     out over the A assignments themselves: [A, A], [E, A] and [slots, A] comparisons and
     one two-key minimum over the slots per possible fetch, no sort (on XLA CPU a sort of
     64 slots costs ~10 us and grows with the cache; each op here ~0.2 us).
 
-    a [A] expert ids of this layer (-1 = invalid token); max_fetch: static bound on the
+    a [A] expert ids of this layer (-1 = invalid token); sel [E] = U; max_fetch: static bound on the
     experts fetched per record (0: never, e.g. lru-host-only); t [] this record's stamp.
     -> (slot_of, id_of_slot, stamp) updated, codes [E] int8, and the transfers:
        (expert ids [P], slots [P], do [P]), P = max_fetch."""
-    in_u = jnp.any(a[None, :] == jnp.arange(E)[:, None], axis=1)  # [E] U as a mask
-    layer_stamp = jnp.where(in_u, t, stamp[base:base + E])  # [E] rule 5
+    layer_stamp = jnp.where(sel, t, stamp[base:base + E])  # [E] rule 5
 
     P = max_fetch
     if P == 0:  # nothing is ever fetched: hits and host work only, the slot table stays
-        codes = jnp.where(in_u, jnp.where(slot_of[base:base + E] >= 0, HIT, HOST), 0).astype(jnp.int8)
+        resident = slot_of[base:base + E] >= 0
+        codes = outcome_codes(sel & resident, False, sel & ~resident)
         stamp = stamp.at[base:base + E].set(layer_stamp)
         return (slot_of, id_of_slot, stamp), codes, (jnp.zeros(0, jnp.int32),) * 2 + (jnp.zeros(0, bool),)
 
@@ -186,8 +191,8 @@ def lru_few(a, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot, stam
     slot_of = slot_of.at[where].set(jnp.concatenate([jnp.full(P, -1, jnp.int32), victim]), mode="drop")
     id_of_slot = id_of_slot.at[jnp.where(do, victim, slots)].set(base + expert, mode="drop")
 
-    code = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0)))  # [A] (0 on repeats)
-    codes = jnp.max(jnp.where(a[None, :] == jnp.arange(E)[:, None], code[None, :], 0), axis=1).astype(jnp.int8)
+    code = outcome_codes(hit, fetched, host)  # [A] (0 on repeats)
+    codes = jnp.max(jnp.where(a[None, :] == jnp.arange(E)[:, None], code[None, :], 0), axis=1)  # [E]
     return (slot_of, id_of_slot, stamp), codes, (expert, victim, do)
 
 
@@ -240,8 +245,7 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     slot_of = slot_of.at[jnp.where(fetched, gidx, oob)].set(target, mode="drop")
     id_of_slot = id_of_slot.at[jnp.where(fetched, target, slots)].set(gidx, mode="drop")
     stamp = stamp.at[jnp.where(sel, gidx, oob)].set(t, mode="drop")
-    codes = jnp.where(hit, HIT, jnp.where(fetched, FETCHED, jnp.where(host, HOST, 0))).astype(jnp.int8)
-    return (slot_of, id_of_slot, stamp), codes, fetched, target
+    return (slot_of, id_of_slot, stamp), outcome_codes(hit, fetched, host), fetched, target
 
 
 def copy_expert(cache, pool, layer, e, s):
@@ -285,7 +289,6 @@ class Executor:
         if policy.name != "device" and host_fn is None:
             raise ValueError(f"policy {policy.name!r} needs the host expert kernel")
         self.host_fn = host_fn
-        self.ratio = transfer_ratio
         self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1]
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
 
@@ -344,7 +347,7 @@ class Executor:
         t = state["t"] + 1
         book = (state["slot_of"], state["id_of_slot"], state["stamp"])
         if A <= _FEW_ASSIGNMENTS:
-            (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), base, E, S, table,
+            (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), sel, base, E, S, table,
                                                                   self.max_fetch(A), *book, t)
             cache = copy_in(state["cache"], pool, layer, copies)
         else:

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ftjax import host
 from ftjax.config import ModelConfig
+from ftjax.experts.executor import as_f32
 
 # An expert executor call: (moe_layer, x [N, D], expert_ids [N, K], weights [N, K],
 # valid [N], executor_state) -> (y [N, D], executor_state).
@@ -258,9 +259,7 @@ class CausalLM(nnx.Module):
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         rows = self.embed[...][tokens]  # [B, T, D]
-        if rows.dtype == jnp.uint16:
-            return jax.lax.bitcast_convert_type(rows, jnp.bfloat16).astype(jnp.float32)
-        return rows
+        return as_f32(rows) if rows.dtype == jnp.uint16 else rows
 
     def head(self, x: jax.Array, logits_at=None) -> jax.Array:
         """Final norm + LM head -> f32 logits [B, T, V] (or [B, 1, V] at logits_at [B])."""
