@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ftjax.config import ModelConfig, read_config_json
+from ftjax.config import ConfigError, ModelConfig, read_config_json, validate
 from ftjax.experts.pool import HostExpertPool
 from ftjax.models import config_from_hf, family
 
@@ -70,6 +70,34 @@ CANONICAL: list[tuple[re.Pattern, tuple]] = [
     (re.compile(_L + r"mlp\.experts\.gate_up_proj"), ("expert", "gate_up")),
     (re.compile(_L + r"mlp\.experts\.down_proj"), ("expert", "down_fused")),
 ]
+
+
+def _hf_name_table() -> list[tuple[re.Pattern, str]]:
+    """Inverse of the "param" rows of CANONICAL: (regex over our dotted parameter path,
+    HF name template), derived from the same rows so the two cannot drift apart."""
+    table = []
+    for pattern, target in CANONICAL:
+        if target[0] != "param":
+            continue
+        path_re = re.escape(target[1]).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{p\}", r"(?P<p>\w+)")
+        hf_template = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", pattern.pattern).replace("\\.", ".")
+        table.append((re.compile(path_re), hf_template))
+    return table
+
+
+_HF_NAMES = _hf_name_table()
+
+
+def hf_name(path: str) -> str:
+    """The (canonical) Hugging Face tensor name of a dotted parameter path, e.g.
+    layers.0.attn.wk -> model.layers.0.self_attn.k_proj.weight; the path itself if none."""
+    for path_re, template in _HF_NAMES:
+        m = path_re.fullmatch(path)
+        if m:
+            return template.format(**m.groupdict())
+    return path
+
+
 # Names real checkpoints carry that hold nothing the model needs.
 IGNORED = [re.compile(r".*rotary_emb\.inv_freq")]
 
@@ -111,8 +139,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+                raise CheckpointError(f"{index}: tensor {name!r} maps to {shard!r}, not a shard file name "
+                                      "in the model folder")
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -147,6 +181,19 @@ def read_header(path: Path) -> list[TensorRef]:
         start, end = info["data_offsets"]
         refs.append(TensorRef(name, path, info["dtype"], tuple(info["shape"]), base + start, end - start))
     return refs
+
+
+def model_config(hf: dict, where: Path) -> ModelConfig:
+    """The family's config reader, then `config.validate`. A value of the wrong type or
+    out of range anywhere in config.json is a ConfigError naming the file, whatever the
+    reader tripped on (int("abc"), a missing key, a division by a zero head count)."""
+    try:
+        return validate(config_from_hf(hf))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}" if str(where) not in str(e) else str(e)) from None
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{where}: invalid value ({what})") from None
 
 
 # ---- name mapping ---------------------------------------------------------------------
@@ -228,7 +275,7 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model folder not found")
     hf = read_config_json(model_dir)
-    cfg = config_from_hf(hf)
+    cfg = model_config(hf, model_dir / "config.json")
     aliases = family(cfg.model_type).KEY_ALIASES
 
     refs: dict[str, TensorRef] = {}
@@ -251,13 +298,17 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     pool_dtype = "bfloat16" if keeps_bf16(expert_dtype, lambda name: ".experts." in canon[name]) else "float32"
     packed = keeps_bf16(dense_dtype, lambda name: _packs(hits[name]))
 
-    shapes = expected_param_shapes(cfg)
+    try:
+        shapes = expected_param_shapes(cfg)
+    except (TypeError, ValueError, OverflowError) as e:  # sizes the model cannot even describe
+        raise ConfigError(f"{model_dir / 'config.json'}: the model these values describe cannot be built "
+                          f"({type(e).__name__}: {e})") from None
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
-    pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
-    params: dict[str, np.ndarray] = {}
+    # Pass 1: every name, layer, expert id and shape is checked, and every expected tensor
+    # found, before anything is allocated or read (a config claiming huge sizes fails here).
+    param_refs: dict[str, tuple[TensorRef, tuple]] = {}  # dotted path -> (ref, classification)
+    expert_refs: list[tuple[TensorRef, int, int | None, str]] = []  # (ref, moe layer, expert, part)
     expert_seen: dict[tuple[int, int | None, str], str] = {}  # (moe layer, expert|None, part) -> name
-    progress = _Progress(sum(r.nbytes for r in refs.values()))
-
     for name, ref in sorted(refs.items()):
         hit = hits[name]
         if hit is None:
@@ -278,11 +329,7 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             if tuple(shape) != shapes[path] or (target[2] and len(ref.shape) != 2):
                 want = shapes[path][::-1] if target[2] else shapes[path]
                 raise CheckpointError(f"{ref.file}: tensor {name} has shape {list(ref.shape)}, expected {list(want)}")
-            if packed and _packs(hit):
-                params[path] = np.array(ref.read())  # bf16 bits in the HF layout; a copy, not the file
-            else:
-                arr = _to_f32(ref)
-                params[path] = np.ascontiguousarray(arr.T if target[2] else arr)
+            param_refs[path] = (ref, hit)
         else:
             if not cfg.moe_layers[layer]:
                 raise CheckpointError(f"{ref.file}: unexpected tensor {name}: layer {layer} is a dense layer in this config")
@@ -294,25 +341,39 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             want = {"gate": (F, D), "up": (F, D), "down": (D, F), "gate_up": (E, 2 * F, D), "down_fused": (E, D, F)}[part]
             if ref.shape != want:
                 raise CheckpointError(f"{ref.file}: tensor {name} has shape {list(ref.shape)}, expected {list(want)}")
-            data = _expert_storage(ref, pool_dtype)
-            if part == "gate":
-                pool.gate_up[m, expert, :F] = data
-            elif part == "up":
-                pool.gate_up[m, expert, F:] = data
-            elif part == "down":
-                pool.down[m, expert] = data
-            elif part == "gate_up":
-                pool.gate_up[m] = data
-            else:
-                pool.down[m] = data
+            expert_refs.append((ref, m, expert, part))
             expert_seen[(m, expert, part)] = name
+    missing = [hf_name(p) for p in shapes if p not in param_refs]
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:8])}"
+                              + (f" ... ({len(missing)} in all)" if len(missing) > 8 else ""))
+    _check_experts(model_dir, cfg, expert_seen)
+
+    # Pass 2: read.
+    pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
+    params: dict[str, np.ndarray] = {}
+    progress = _Progress(sum(r.nbytes for r in refs.values()))
+    for path, (ref, hit) in param_refs.items():
+        if packed and _packs(hit):
+            params[path] = np.array(ref.read())  # bf16 bits in the HF layout; a copy, not the file
+        else:
+            arr = _to_f32(ref)
+            params[path] = np.ascontiguousarray(arr.T if hit[0][2] else arr)
+        progress.update(ref.nbytes)
+    for ref, m, expert, part in expert_refs:
+        data = _expert_storage(ref, pool_dtype)
+        if part == "gate":
+            pool.gate_up[m, expert, :F] = data
+        elif part == "up":
+            pool.gate_up[m, expert, F:] = data
+        elif part == "down":
+            pool.down[m, expert] = data
+        elif part == "gate_up":
+            pool.gate_up[m] = data
+        else:
+            pool.down[m] = data
         progress.update(ref.nbytes)
     progress.close()
-
-    missing = [p for p in shapes if p not in params]
-    if missing:
-        raise CheckpointError(f"{model_dir}: missing tensors for {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
-    _check_experts(model_dir, cfg, expert_seen)
     pool.freeze()
     return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32")
 

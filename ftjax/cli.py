@@ -1,41 +1,124 @@
 """`ftjax` command line: generate | chat | profile | bench.
 
     ftjax generate [--model DIR] "prompt"     stream a continuation (default: embedded model)
+    ftjax generate - < prompt.txt             the prompt from stdin
     ftjax chat [--model DIR] "message"        one chat turn through the chat template
+    ftjax chat [--model DIR]                  interactive: one user message per stdin line
     ftjax profile [--json] [--threads N]      measure B_P / B_H, save the profile
     ftjax bench paper --out DIR [--quick]     regenerate the paper's experiments
+    ftjax --version
 
-Text goes to stdout as it is produced; a summary line (prompt tokens, TTFT, decode
-tok/s, expert-cache counters) goes to stderr, or one JSON line to stdout with --json.
+Text goes to stdout as it is produced; a summary line (prompt tokens, TTFT, steady decode
+tok/s with the first decode step — where compilation happens — reported apart,
+expert-cache counters) goes to stderr, or one JSON line to stdout with --json.
+Ctrl-C stops cleanly (exit status 130); bad options exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the description's layout and show every option's default."""
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("ftjax")
+    except Exception:  # not installed as a distribution (a bare checkout on sys.path)
+        return "unknown"
+
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded model)")
-    p.add_argument("--policy", default="device", help="expert placement policy (device, host, lru, ...)")
-    p.add_argument("--cache-slots", type=int, default=None, help="device expert-cache slots")
-    p.add_argument("--cache-bytes", type=float, default=None, help="device expert-cache size in bytes")
+    from ftjax.experts.policy import POLICIES
+
+    cached = [n for n, pol in POLICIES.items() if pol.uses_slots]
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face model folder (default None: the embedded model)")
+    p.add_argument("--policy", default="device", choices=list(POLICIES), metavar="POLICY",
+                   help="expert placement policy: " + ", ".join(POLICIES) + f" ({', '.join(cached)} need "
+                        "--cache-slots or --cache-bytes)")
+    p.add_argument("--cache-slots", type=int, default=None,
+                   help="device expert-cache slots (policies with a cache only)")
+    p.add_argument("--cache-bytes", type=float, default=None,
+                   help="device expert-cache size in bytes, instead of --cache-slots")
     p.add_argument("--bandwidth", type=float, nargs=2, metavar=("B_P", "B_H"), default=None,
-                   help="override the measured bandwidths (GB/s)")
-    p.add_argument("--threads", type=int, default=None, help="host expert-kernel threads")
-    p.add_argument("--max-seq-len", type=int, default=None)
+                   help="override the measured host->device and host-kernel bandwidths, GB/s (policy lru)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="host expert-kernel threads (default None: every core this process may use)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context length to allocate (default None: the model's maximum)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", "-n", type=int, default=128)
-    p.add_argument("--temperature", "-t", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", "-t", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (the most likely token)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability; 1 = all")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of streaming text")
+
+
+class UsageError(ValueError):
+    """A bad option value, reported as `error: ...` with exit status 2."""
+
+
+def check_args(args) -> None:
+    """Reject values the model would silently accept or fail on later, naming the option."""
+    from ftjax.experts.policy import POLICIES
+    from ftjax.host import default_threads
+
+    def finite(name, value):
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"{name} must be a finite number, got {value}")
+
+    pol = POLICIES[args.policy]
+    for name in ("cache_slots", "cache_bytes"):
+        value = getattr(args, name)
+        opt = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        finite(opt, value)
+        if not pol.uses_slots:
+            cached = ", ".join(n for n, p in POLICIES.items() if p.uses_slots)
+            raise UsageError(f"{opt}: policy {args.policy!r} has no expert cache; use one of {cached}")
+        if value <= 0:
+            raise UsageError(f"{opt} must be positive, got {value:g}")
+    if args.cache_slots is not None and args.cache_bytes is not None:
+        raise UsageError("give --cache-slots or --cache-bytes, not both")
+    if args.threads is not None:
+        cores = default_threads()
+        if not 1 <= args.threads <= 4 * cores:
+            raise UsageError(f"--threads must be in 1..{4 * cores} (4x the {cores} usable cores), got {args.threads}")
+    if args.bandwidth is not None:
+        for name, value in zip(("B_P", "B_H"), args.bandwidth):
+            finite(f"--bandwidth {name}", value)
+            if value <= 0:
+                raise UsageError(f"--bandwidth {name} must be positive, got {value:g}")
+    if args.max_seq_len is not None and args.max_seq_len <= 0:
+        raise UsageError(f"--max-seq-len must be positive, got {args.max_seq_len}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    finite("--temperature", args.temperature)
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature:g}")
+    finite("--top-p", args.top_p)
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p:g}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = all tokens), got {args.top_k}")
 
 
 def _load(args):
@@ -46,50 +129,102 @@ def _load(args):
                        cache_bytes=args.cache_bytes, threads=args.threads, max_seq_len=args.max_seq_len,
                        bandwidth=tuple(args.bandwidth) if args.bandwidth else None)
     if model.tokenizer is None:
-        raise SystemExit(f"error: {args.model} has no tokenizer.json; ftjax generate needs text in and out")
+        raise UsageError(f"{args.model} has no tokenizer.json; ftjax {args.command} needs text in and out")
     return model, time.perf_counter() - t0
 
 
-def _run(model, ids, args, load_s: float) -> int:
+def _cache_split(stats: dict) -> str:
+    """`hits / misses`, and where the misses went for policies that can miss."""
+    text = f"{stats['hits']} hits / {stats['misses']} misses"
+    if stats["policy"] != "device":
+        parts = [f"{stats['fetched']} fetched", f"{stats['host_computed']} on host"]
+        if stats.get("streamed"):
+            parts.append(f"{stats['streamed']} streamed")
+        text += f" ({', '.join(parts)})"
+    return text
+
+
+def _generate(model, ids, args, load_s: float) -> str:
+    """Stream one generation to stdout (or print its JSON line); returns the text."""
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
     decoder = model.tokenizer.stream_decoder()
     pieces = []
-    for tok in model.generate_stream(ids, args.max_new_tokens, **sampling):
-        piece = decoder.push(tok)
-        pieces.append(piece)
-        if not args.json and piece:
-            sys.stdout.write(piece)
+    model.reset_stats()  # the counters of this generation only
+    try:
+        for tok in model.generate_stream(ids, args.max_new_tokens, **sampling):
+            piece = decoder.push(tok)
+            pieces.append(piece)
+            if not args.json and piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    finally:
+        tail = decoder.flush()
+        pieces.append(tail)
+        if not args.json:
+            sys.stdout.write(tail + "\n")
             sys.stdout.flush()
-    tail = decoder.flush()
-    pieces.append(tail)
     g = model.last_generation
     stats = model.stats()
     summary = {
         "prompt_tokens": g.prompt_tokens, "new_tokens": g.new_tokens, "ttft_s": round(g.ttft_s, 4),
-        "decode_tok_per_s": round(g.decode_tok_per_s, 2), "stop_reason": g.stop_reason, "load_s": round(load_s, 3),
+        "decode_tok_per_s": round(g.decode_tok_per_s, 2), "first_step_s": round(g.first_step_s, 4),
+        "stop_reason": g.stop_reason, "load_s": round(load_s, 3),
         "policy": stats["policy"], "hits": stats["hits"], "misses": stats["misses"],
-        "fetched": stats["fetched"], "host_computed": stats["host_computed"],
+        "fetched": stats["fetched"], "host_computed": stats["host_computed"], "streamed": stats.get("streamed", 0),
     }
+    text = "".join(pieces)
     if args.json:
-        print(json.dumps({"text": "".join(pieces), **summary}))
+        print(json.dumps({"text": text, **summary}), flush=True)
     else:
-        sys.stdout.write(tail + "\n")
         print(f"[{g.prompt_tokens} prompt tokens, TTFT {g.ttft_s * 1e3:.0f} ms, {g.new_tokens} new tokens, "
-              f"{g.decode_tok_per_s:.1f} tok/s decode, stop: {g.stop_reason}; policy {stats['policy']}: "
-              f"{stats['hits']} hits / {stats['misses']} misses]", file=sys.stderr)
-    return 0
+              f"{g.decode_tok_per_s:.1f} tok/s decode (steady; first step {g.first_step_s * 1e3:.0f} ms, "
+              f"compile included on first use), stop: {g.stop_reason}; policy {stats['policy']}: "
+              f"{_cache_split(stats)}]", file=sys.stderr, flush=True)
+    return text
+
+
+def _text_arg(value: str) -> str:
+    """The argument, or all of stdin for `-`."""
+    return sys.stdin.read() if value == "-" else value
 
 
 def cmd_generate(args) -> int:
+    prompt = _text_arg(args.prompt)
     model, load_s = _load(args)
-    return _run(model, model.tokenizer.encode(args.prompt), args, load_s)
+    _generate(model, model.tokenizer.encode(prompt), args, load_s)
+    return 0
+
+
+def _chat_ids(model, messages: list[dict]) -> list[int]:
+    return model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
 def cmd_chat(args) -> int:
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:  # one turn
+        message = _text_arg(args.message)
+        model, load_s = _load(args)
+        _generate(model, _chat_ids(model, system + [{"role": "user", "content": message}]), args, load_s)
+        return 0
+    # Interactive: every stdin line is a user message; the history is kept until EOF.
     model, load_s = _load(args)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.message}]
-    return _run(model, model.tokenizer.encode_chat(messages), args, load_s)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("ftjax chat: one message per line; Ctrl-D ends, Ctrl-C stops.", file=sys.stderr)
+    messages = list(system)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = _generate(model, _chat_ids(model, messages), args, load_s)
+        messages.append({"role": "assistant", "content": reply})
+        load_s = 0.0  # only the first turn paid for loading
+    return 0
 
 
 def cmd_profile(argv: list[str]) -> int:
@@ -104,34 +239,50 @@ def cmd_bench(argv: list[str]) -> int:
     return main_bench(argv) or 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # profile and bench own their flags
-    if argv and argv[0] == "profile":
-        return cmd_profile(argv[1:])
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="ftjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continue a prompt")
-    g.add_argument("prompt")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftjax", description=__doc__, formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"ftjax {version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="continue a prompt", formatter_class=_Formatter,
+                       description="Stream a continuation of PROMPT to stdout, a summary to stderr.")
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     _add_runtime_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="one chat turn through the model's chat template")
-    c.add_argument("message")
-    c.add_argument("--system", default=None)
+    c = sub.add_parser("chat", help="chat through the model's chat template", formatter_class=_Formatter,
+                       description="One chat turn for MESSAGE; without MESSAGE, an interactive chat that reads "
+                                   "one user message per stdin line until EOF and keeps the history.")
+    c.add_argument("message", nargs="?", default=None,
+                   help="the user message, - to read it from stdin; omit for an interactive chat")
+    c.add_argument("--system", default=None, help="system prompt")
     _add_runtime_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    sub.add_parser("profile", help="measure B_P and B_H (see `ftjax profile --help`)")
-    sub.add_parser("bench", help="benchmarks and the paper's experiments (see `ftjax bench --help`)")
-    args = parser.parse_args(argv)
+    sub.add_parser("profile", help="measure B_P and B_H (see `ftjax profile --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmarks and the paper's experiments (see `ftjax bench --help`)",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        # profile and bench own their flags
+        if argv and argv[0] == "profile":
+            return cmd_profile(argv[1:])
+        if argv and argv[0] == "bench":
+            return cmd_bench(argv[1:])
+        args = parser().parse_args(argv)
+        try:
+            check_args(args)
+            return args.func(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ class ModelConfig:
     max_position: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_kinds: tuple[str, ...] = ()  # per layer: a key of models.layers.LAYER_KINDS; () = all "attention"
 
     # ---- derived sizes ------------------------------------------------------------
     @property
@@ -78,6 +80,10 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:  # Lm
         return sum(self.moe_layers)
+
+    def layer_kind(self, layer: int) -> str:
+        """Name of layer `layer`'s token-mixing kind (see `ftjax.models.layers`)."""
+        return self.layer_kinds[layer] if self.layer_kinds else "attention"
 
     def moe_index(self, layer: int) -> int:
         """Position of decoder layer `layer` among the MoE layers."""
@@ -117,6 +123,59 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the model folder")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+MAX_SIZE = 2**31 - 1  # every size and count must fit an int32 (array dimensions, token ids)
+
+
+def validate(cfg: ModelConfig) -> ModelConfig:
+    """Range checks on every field a family reader fills, beyond the ones tensor shapes
+    enforce later: sizes positive, eps / theta finite, per-layer tuples of the right
+    length, token ids in the vocabulary. Raises ConfigError naming the field."""
+    def bad(field, why):
+        raise ConfigError(f"config.json: {field} {why}, got {getattr(cfg, field)!r}")
+
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+                  "top_k", "max_position"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+            bad(field, f"must be an integer in 1..{MAX_SIZE}")
+    for field in ("d_ff", "d_ff_expert", "shared_expert_d_ff"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
+            bad(field, f"must be an integer in 0..{MAX_SIZE}")
+    if cfg.top_k > cfg.num_experts:
+        bad("top_k", f"(num_experts_per_tok) must be at most num_experts ({cfg.num_experts})")
+    if cfg.num_heads % cfg.num_kv_heads:
+        bad("num_heads", f"must be a multiple of num_kv_heads ({cfg.num_kv_heads})")
+    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        bad("rope_theta", "must be finite and positive")
+    if not (math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
+        bad("rms_norm_eps", "must be finite and non-negative")
+    if cfg.clip_qkv is not None and not (math.isfinite(cfg.clip_qkv) and cfg.clip_qkv > 0):
+        bad("clip_qkv", "must be finite and positive (or null)")
+    if len(cfg.moe_layers) != cfg.num_layers:
+        bad("moe_layers", f"must have one entry per layer ({cfg.num_layers})")
+    if len(cfg.sliding_windows) != cfg.num_layers or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in cfg.sliding_windows):
+        bad("sliding_windows", f"must be {cfg.num_layers} non-negative integers")
+    if any(cfg.moe_layers) and cfg.d_ff_expert <= 0:
+        bad("d_ff_expert", "must be positive when a layer is MoE")
+    if not all(cfg.moe_layers) and cfg.d_ff <= 0:
+        bad("d_ff", "(intermediate_size) must be positive when a layer is dense")
+    token = lambda t: not isinstance(t, bool) and isinstance(t, int) and t >= 0  # noqa: E731
+    if cfg.bos_token_id is not None and not token(cfg.bos_token_id):
+        bad("bos_token_id", "must be null or a non-negative token id")
+    if not all(token(t) for t in cfg.eos_token_ids):
+        bad("eos_token_ids", "(eos_token_id) must be non-negative token ids")
+    from ftjax.models.layers import LAYER_KINDS  # the registry imports this module
+
+    if cfg.layer_kinds and (len(cfg.layer_kinds) != cfg.num_layers or not set(cfg.layer_kinds) <= set(LAYER_KINDS)):
+        bad("layer_kinds", f"must be {cfg.num_layers} names from {sorted(LAYER_KINDS)}")
+    return cfg

@@ -28,6 +28,8 @@ Letters: N output features, Lm MoE layers, E experts, D model dim, F expert FFN 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import functools
 import os
@@ -38,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import _host_kernels as _hk
-from ftjax.experts.executor import as_f32
-from ftjax.experts.pool import HostExpertPool, bf16_bits_to_f32
+from ftjax.experts.pool import HostExpertPool
+from ftjax.experts.storage import as_f32, bf16_bits_to_f32
 
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
@@ -84,6 +86,25 @@ def default_boundary(platform: str | None = None) -> Boundary:
     return Boundary.FFI_CPU if platform == "cpu" else Boundary.CALLBACK
 
 
+_DENSE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ftjax_dense_threads", default=None)
+
+
+@contextlib.contextmanager
+def thread_limit(threads: int | None):
+    """Within this block, `linear` traced into a program uses `threads` workers (None:
+    every core the process may run on). A loaded model traces its steps inside it, so
+    `load(threads=N)` caps the dense kernel as well as the expert kernels."""
+    token = _DENSE_THREADS.set(threads)
+    try:
+        yield
+    finally:
+        _DENSE_THREADS.reset(token)
+
+
+def dense_threads() -> int:
+    return _DENSE_THREADS.get() or default_threads()
+
+
 @functools.cache
 def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(FFI_TARGET, _hk.ffi_expert_ffn(), platform="cpu")
@@ -107,7 +128,7 @@ def linear(x: jax.Array, w: jax.Array, *, boundary: Boundary | str | None = None
     if boundary is Boundary.FFI_CPU:
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
-        y = call(x2, w, pool_ptr=np.int64(shared_threads(default_threads()).address), isa=np.int32(isa.value))
+        y = call(x2, w, pool_ptr=np.int64(shared_threads(dense_threads()).address), isa=np.int32(isa.value))
     else:
         y = x2 @ as_f32(w).T
     return y.reshape(*lead, N)
@@ -194,9 +215,9 @@ def pool_view(pool: HostExpertPool) -> dict[str, jax.Array]:
     whole pool; rows are copied into cache slots on demand. (Not yet run on a GPU.)
     """
     if jax.default_backend() == "cpu":
-        return {"gate_up": jax.device_put(pool.gate_up), "down": jax.device_put(pool.down)}
+        return jax.device_put(pool.parts)
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    return {"gate_up": jax.device_put(pool.gate_up, host), "down": jax.device_put(pool.down, host)}
+    return jax.device_put(pool.parts, host)
 
 
 def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 20,

@@ -57,7 +57,7 @@ import optax
 from flax import nnx
 
 from ftjax.config import ModelConfig
-from ftjax.models.common import CausalLM, empty_kv_cache
+from ftjax.models.common import CausalLM, init_state
 from ftjax.models.qwen3_moe import config_from_hf
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -226,7 +226,7 @@ def forward(graphdef, params, tokens: jax.Array, experts: TrainExperts) -> tuple
     state = {**params["experts"], "aux": jnp.zeros((cfg.num_moe_layers,), jnp.float32),
              "routers": [model.layers[i].moe.w_router[...] for i in cfg.moe_layer_ids]}
     valid = jnp.ones((B, T), bool)
-    logits, _, state = model(tokens, jnp.int32(0), valid, empty_kv_cache(cfg, B, T), experts, state)
+    logits, _, state = model(tokens, jnp.int32(0), valid, init_state(cfg, B, T), experts, state)
     return logits, state["aux"]
 
 
@@ -633,6 +633,6 @@ def route_ids(graphdef, params, tokens: jax.Array) -> tuple[jax.Array, jax.Array
     state = {**params["experts"], "aux": jnp.zeros((cfg.num_moe_layers,), jnp.float32),
              "routers": [model.layers[i].moe.w_router[...] for i in cfg.moe_layer_ids],
              "ids": jnp.zeros((cfg.num_moe_layers, B * T, cfg.top_k), jnp.int32)}
-    logits, _, state = model(tokens, jnp.int32(0), jnp.ones((B, T), bool), empty_kv_cache(cfg, B, T),
+    logits, _, state = model(tokens, jnp.int32(0), jnp.ones((B, T), bool), init_state(cfg, B, T),
                              RecordingExperts(), state)
     return logits, state["ids"].reshape(cfg.num_moe_layers, B, T, cfg.top_k)

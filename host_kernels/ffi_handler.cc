@@ -1,6 +1,8 @@
 #include "ffi_handler.h"
 
 #include <cstdint>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "expert_ffn.h"
@@ -13,7 +15,24 @@ namespace {
 using ftjax::Isa;
 using ftjax::WeightType;
 
-ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+// No C++ exception may cross the FFI boundary into XLA (it would call std::terminate
+// and kill the process): every handler body runs inside `guarded`, which turns an
+// exception (std::bad_alloc from an absurd scratch size, std::length_error, ...) into
+// an ffi::Error carrying the message, raised in Python as a runtime error.
+template <typename Body>
+ffi::Error guarded(const char* target, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc& e) {
+    return ffi::Error::Internal(std::string(target) + ": out of memory (std::bad_alloc: " + e.what() + ")");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(target) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(target) + ": unknown C++ exception");
+  }
+}
+
+ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                            ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
                            int64_t down_ptr, int64_t num_layers, int64_t num_experts,
@@ -49,7 +68,7 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
-ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                        int64_t pool_ptr, int32_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   WeightType wtype;
@@ -69,6 +88,23 @@ ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuf
                                   static_cast<Isa>(isa));
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_linear: " + err);
   return ffi::Error::Success();
+}
+
+ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
+                           int64_t down_ptr, int64_t num_layers, int64_t num_experts,
+                           int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
+                           int32_t isa) noexcept {
+  return guarded("ftjax_expert_ffn", [&] {
+    return expert_ffn_body(x, layer, ids, weights, y, gate_up_ptr, down_ptr, num_layers,
+                           num_experts, d_model, d_ff, dtype, pool_ptr, isa);
+  });
+}
+
+ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t pool_ptr, int32_t isa) noexcept {
+  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, pool_ptr, isa); });
 }
 
 }  // namespace

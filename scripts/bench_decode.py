@@ -63,9 +63,10 @@ import ftjax.checkpoint  # noqa: E402
 import ftjax.host  # noqa: E402
 import ftjax.model  # noqa: E402
 from ftjax.engine.steps import Steps  # noqa: E402
-from ftjax.experts.executor import Executor, as_f32, device_ffn  # noqa: E402
+from ftjax.experts.executor import Executor, device_ffn  # noqa: E402
+from ftjax.experts.storage import as_f32  # noqa: E402
 from ftjax.experts.policy import get_policy  # noqa: E402
-from ftjax.models.common import empty_kv_cache  # noqa: E402
+from ftjax.models.common import init_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,15 +138,16 @@ def step_times_without_experts(model, new: int, pos0: int) -> list[float]:
                    transfer_ratio=1.0, host_fn=None)
     steps = Steps(model._graphdef, ex)
     cache_len = ftjax.model.bucket(pos0 + new, 128)
-    settings = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
-    key = jax.random.PRNGKey(0)
+    settings = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32))
+    keys, active = jax.random.PRNGKey(0)[None], np.ones(1, bool)
     out = []
     for rep in range(2):  # rep 0 compiles and warms
-        kv, xs, token = empty_kv_cache(cfg, 1, cache_len), {}, jnp.zeros((1,), jnp.int32)
+        state, xs, token = init_state(cfg, 1, cache_len), {}, jnp.zeros((1,), jnp.int32)
         stamps = []
         for i in range(new):
-            token, _, kv, xs, _ = steps.decode(model._params, kv, xs, model._pool_dev, token, jnp.int32(pos0 + i),
-                                               key, *settings)
+            token, _, state, xs, _ = steps.decode(model._params, state, xs, model._pool_dev, token,
+                                                  np.array([pos0 + i], np.int32), active, keys,
+                                                  np.array([i], np.int32), *settings)
             int(token[0])
             stamps.append(time.perf_counter())
         out = list(np.diff(stamps))

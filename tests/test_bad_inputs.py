@@ -49,7 +49,21 @@ def expect_error(path, exc, *fragments):
 
 def test_missing_tensor(ckpt):
     rewrite_tensors(ckpt, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
-    expect_error(ckpt, CheckpointError, "missing tensors", "layers.0.attn.wk")
+    expect_error(ckpt, CheckpointError, "missing tensors", "model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(CheckpointError) as info:
+        ftjax.load(ckpt)
+    assert "attn.wk" not in str(info.value)  # the checkpoint's name, not our parameter path
+
+
+def test_missing_tensors_name_the_checkpoint_tensors(ckpt):
+    def drop(t):
+        for name in ("model.norm.weight", "model.layers.1.mlp.gate_proj.weight", "model.layers.2.mlp.gate.weight",
+                     "model.layers.0.self_attn.q_norm.weight"):
+            t.pop(name)
+
+    rewrite_tensors(ckpt, drop)
+    expect_error(ckpt, CheckpointError, "model.norm.weight", "model.layers.1.mlp.gate_proj.weight",
+                 "model.layers.2.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight")
 
 
 def test_missing_expert(ckpt):

@@ -19,7 +19,7 @@ TINY = PaperSettings.quick(
     texts=("austen", "kjv"), prompt_tokens=24, prompts_per_text=1, decode_tokens=16, trace_cache_len=1024,
     chat_turns=2, chat_turn_tokens=8, fractions=(0.1, 0.25, 0.5, 0.75), check_prompts=2, run_tokens=12,
     validate_runs=(("lru-transfer-only", 0.25), ("host", 0.0)), q_repeats=2, q_miss_multiples=(1,),
-    reference_shape=False, sim_tokens=16, profile_seconds=0.02, prefill_tokens=0, threads=2)
+    reference_shape=False, sim_tokens=16, profile_seconds=0.02, profile_working_set_mib=16, prefill_tokens=0, threads=2)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import hashlib
 import lzma
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +26,19 @@ def test_checksums(texts):
         assert len(data) == corpus.CORPUS[name].text_bytes
 
 
-def test_default_dir_is_shared_next_to_repo(monkeypatch):
+def test_default_dir_is_inside_the_package(monkeypatch, tmp_path):
+    import ftjax
+
     monkeypatch.delenv(corpus.ENV_VAR, raising=False)
-    repo = corpus._REPO_ROOT
-    assert corpus.corpus_dir() == (repo.parent / "shared" / "data" / "corpus").resolve()
+    package = Path(ftjax.__file__).resolve().parent
+    assert corpus.corpus_dir() == package / "data" / "texts"  # nothing outside the package is read
+    for name in corpus.names():
+        assert (corpus.corpus_dir() / f"{name}.txt.xz").is_file(), name
+    assert (corpus.corpus_dir() / "SOURCES.md").is_file()
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path))  # the override still wins
+    assert corpus.corpus_dir() == tmp_path
+    with pytest.raises(FileNotFoundError, match="not found"):
+        corpus.load_text("kjv")
 
 
 @pytest.mark.parametrize("name", corpus.names())

@@ -88,3 +88,14 @@ def test_bad_arguments_raise():
     if Isa.AVX512 not in ISAS:
         with pytest.raises(ValueError, match="ISA"):
             linear_numpy(x, w, isa=Isa.AVX512)
+
+
+def test_thread_limit_caps_the_dense_kernel_pool():
+    """`load(threads=N)` traces its steps inside `host.thread_limit(N)`: the dense kernel's
+    FFI call then carries the N-thread pool, not the all-cores one."""
+    x, w = jnp.ones((1, 64), jnp.float32), jnp.ones((32, 64), jnp.uint16)
+    lowered = lambda: jax.jit(lambda x, w: host.linear(x, w)).lower(x, w).as_text()  # noqa: E731 (a fresh trace)
+    with host.thread_limit(1):
+        capped = lowered()
+    assert str(host.shared_threads(1).address) in capped
+    assert str(host.shared_threads(host.default_threads()).address) in lowered()

@@ -69,6 +69,7 @@ class PaperSettings:
     sim_tokens: int = 64  # synthetic Qwen3-30B-A3B tokens timed (as many again for warm-up)
     warm_tokens: int = 256  # cache lab warm start: decode tokens of history replayed first
     profile_seconds: float = 0.5
+    profile_working_set_mib: float | None = None  # None: 4x the last-level cache, >= 1 GiB (honest DRAM numbers)
     prefill_tokens: int = 512  # 0: skip the prefill-overlap stage
     prefill_repeats: int = 3
     threads: int | None = None
@@ -141,7 +142,8 @@ class Bench:
             shapes["qwen3-30b-a3b"] = (*DEFAULT_SHAPE, 8)
         self.profiles, self.hw = {}, {}
         for name, (d, f, k) in shapes.items():
-            p = measure((d, f), self.dtype, s.threads, top_k=k, seconds=s.profile_seconds)
+            ws = int(s.profile_working_set_mib * 2**20) if s.profile_working_set_mib else None
+            p = measure((d, f), self.dtype, s.threads, top_k=k, seconds=s.profile_seconds, pool_bytes=ws)
             self.profiles[name] = p
             self.hw[name] = this_machine(p)
             self.log(f"profile {name} [{d}, {f}] x{k}: B_P {p['b_p_gbps']:.2f} GB/s, B_H {p['b_h_gbps']:.2f} GB/s "

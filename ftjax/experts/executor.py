@@ -23,7 +23,8 @@ through the step):
     codes      [Lm, E] int8   this step's outcome per expert: 0 unused, 1 hit,
                               2 fetched, 3 host, 4 streamed (the telemetry log; read lazily)
 The host pool itself enters as `pool` {"gate_up": [Lm, E, 2F, D], "down": [Lm, E, D, F]},
-a read-only device view (zero-copy on the CPU backend).
+a read-only device view (zero-copy on the CPU backend). Parts and formats are built and
+sliced only through `ftjax.experts.storage`.
 
 Exact rules are those of `ftjax.lab` (the offline simulator is the test oracle); the
 policy table is in `policy.py`. bf16 weights are stored as uint16 and converted to f32
@@ -33,13 +34,15 @@ Cost model (decode, XLA CPU): every op of the step costs ~0.2-1 us to dispatch, 
 ~10 us at 64 slots (growing with the cache), a cond or loop ~1 us; the data of a decode
 record is tiny. So the bookkeeping comes in two forms with the same rules (tests check
 one against the other and both against the lab):
-    few assignments (A = N*K <= 16, decode)   `lru_few`: comparisons over the A
-        assignments ([A, A], [E, A], [slots, A]) and one two-key minimum over the slots
-        per possible fetch; P = a static bound on fetches per record from the q table
-        (0 for lru-host-only and the static policies: no victim search, no transfer code);
-        the P transfers are P conds.
+    few assignments (A = N*K <= 64: decode,   `lru_few`: comparisons over the A
+    up to 8 sessions at top-8)                    assignments ([A, A], [E, A], [slots, A]) and
+        one two-key minimum over the slots per possible fetch; P = a static bound on
+        fetches per record from the q table (0 for lru-host-only and the static policies:
+        no victim search, no transfer code); the P transfers are P conds. The device FFN
+        is unrolled over the assignments up to A = 16 and loops over the record's
+        distinct experts above (each read once for all the batch's tokens).
     many assignments (prefill)                `lru_many`: stable sorts over all E experts
-        and all slots, transfers in a loop.
+        and all slots, transfers in a loop; the device FFN scans the candidate rows.
 The expert pool is indexed whole, never through a layer's slice (XLA copies such a
 slice on every record): the `device` policy reads it reshaped to [Lm*E, ...] (free).
 A = N*K assignments (legend in `ftjax.models.common`).
@@ -54,22 +57,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.experts.policy import Policy, q_table, static_residents
+from ftjax.experts.storage import as_f32, empty_cache, flat_rows, put_expert, take_expert
 
 HIT, FETCHED, HOST, STREAMED = 1, 2, 3, 4
-# Up to this many assignments per record (decode), the device FFN is unrolled over the
-# assignments and the cache bookkeeping works over them (no sorts); above it (prefill),
-# both loop over experts and slots. Unrolling prompt buckets too (up to 64 assignments)
-# ran no faster and made the first prefill compile 5x slower (1.7 -> 8 s, default model).
+# Up to this many assignments per record the device FFN is unrolled over the assignments.
+# Unrolling prompt buckets too (up to 64 assignments) ran no faster and made the first
+# prefill compile 5x slower (1.7 -> 8 s, default model).
 _FEW_ASSIGNMENTS = 16
+# Up to this many assignments per record (a decode step of up to 8 sessions at top-8) the
+# cache bookkeeping works over the assignments themselves (no sorts) and the device FFN
+# loops over the record's distinct experts; above it (prompts), both loop over experts
+# and slots.
+_BATCH_ASSIGNMENTS = 64
 
 HostFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # (x, layer, ids, w) -> y
-
-
-def as_f32(w: jax.Array) -> jax.Array:
-    """Storage (uint16 bf16 bits or float) -> float32."""
-    if w.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32)
-    return w.astype(jnp.float32)
 
 
 def swiglu(gate_up: jax.Array, down: jax.Array, x: jax.Array) -> jax.Array:
@@ -102,6 +103,8 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
 
                 y = jax.lax.cond(r >= 0, run, lambda y: y, y)
         return y.astype(x.dtype)
+    if N * K <= _BATCH_ASSIGNMENTS:
+        return _distinct_rows_ffn(gate_up, down, x32, rows, weights).astype(x.dtype)
 
     first, R = row_range or (0, gate_up.shape[0])
     # combine [N, R]: routing weight of each token for each candidate row (0 when unused)
@@ -117,6 +120,28 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
 
     y, _ = jax.lax.scan(per_row, jnp.zeros_like(x32), jnp.arange(R))
     return y.astype(x.dtype)
+
+
+def _distinct_rows_ffn(gate_up, down, x32, rows, weights):
+    """Batched decode: a loop over the A = N*K assignments that runs each distinct row once
+    (at its first occurrence) on all N tokens, weighted per token (0 where unused): every
+    selected expert is read once per record, whatever the batch."""
+    N, K = rows.shape
+    flat = rows.reshape(-1)  # [A]
+    j = jnp.arange(flat.shape[0])
+    repeat = jnp.any((flat[None, :] == flat[:, None]) & (j[None, :] < j[:, None]), axis=1)
+    first = (flat >= 0) & ~repeat  # [A]
+    combine = jnp.sum(jnp.where(rows[None] == flat[:, None, None], weights[None].astype(jnp.float32), 0.0), axis=2)  # [A, N]
+
+    def body(y, i):
+        def run(y):
+            g = jax.lax.dynamic_index_in_dim(gate_up, flat[i], keepdims=False)
+            d = jax.lax.dynamic_index_in_dim(down, flat[i], keepdims=False)
+            return y + combine[i][:, None] * swiglu(g, d, x32)
+        return jax.lax.cond(first[i], run, lambda y: y, y), None
+
+    y, _ = jax.lax.scan(body, jnp.zeros_like(x32), jnp.arange(flat.shape[0]))
+    return y
 
 
 def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
@@ -249,11 +274,8 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
 
 
 def copy_expert(cache, pool, layer, e, s):
-    """cache slot s <- pool expert (layer, e)."""
-    gu = jax.lax.dynamic_slice_in_dim(pool["gate_up"][layer], e, 1)
-    dn = jax.lax.dynamic_slice_in_dim(pool["down"][layer], e, 1)
-    return {"gate_up": jax.lax.dynamic_update_index_in_dim(cache["gate_up"], gu, s, 0),
-            "down": jax.lax.dynamic_update_index_in_dim(cache["down"], dn, s, 0)}
+    """cache slot s <- pool expert (layer, e), every part."""
+    return put_expert(cache, take_expert(pool, layer, e), s)
 
 
 def copy_in(cache, pool, layer, copies):
@@ -299,23 +321,23 @@ class Executor:
         return int(min(self.slots, self.q_of_misses[: m + 1].max()))
 
     # ---- state -------------------------------------------------------------------------
-    def init_state(self, pool_gate_up: np.ndarray, pool_down: np.ndarray) -> dict[str, Any]:
-        """Fresh state: empty cache, or the policy's pinned experts copied in."""
+    def init_state(self, pool_parts: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Fresh state: empty cache, or the policy's pinned experts copied in.
+        pool_parts: the host pool's parts pytree (`HostExpertPool.parts`)."""
         Lm, E = self.num_layers, self.num_experts
         state: dict[str, Any] = {"codes": jnp.zeros((Lm, E), jnp.int8)}
         if not self.policy.uses_slots:
             return state
         S = self.slots
-        gu_shape, dn_shape = pool_gate_up.shape[2:], pool_down.shape[2:]
-        cache_gu = np.zeros((S, *gu_shape), pool_gate_up.dtype)
-        cache_dn = np.zeros((S, *dn_shape), pool_down.dtype)
+        cache = empty_cache(pool_parts, S)
         slot_of = np.full(Lm * E, -1, np.int32)
         id_of_slot = np.full(S, -1, np.int32)
         for slot, g in enumerate(self.residents[:S]):
-            cache_gu[slot], cache_dn[slot] = pool_gate_up[g // E, g % E], pool_down[g // E, g % E]
+            for name, part in pool_parts.items():
+                cache[name][slot] = part[g // E, g % E]
             slot_of[g], id_of_slot[slot] = slot, g
         state.update(
-            cache={"gate_up": jnp.asarray(cache_gu), "down": jnp.asarray(cache_dn)},
+            cache={k: jnp.asarray(v) for k, v in cache.items()},
             slot_of=jnp.asarray(slot_of), id_of_slot=jnp.asarray(id_of_slot),
             stamp=jnp.zeros(Lm * E, jnp.int32), t=jnp.zeros((), jnp.int32),
         )
@@ -328,7 +350,7 @@ class Executor:
         sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
         if self.policy.name == "device":
             E = self.num_experts
-            flat = {k: v.reshape(-1, *v.shape[2:]) for k, v in pool.items()}  # [Lm*E, ...]: no copy
+            flat = flat_rows(pool)  # [Lm*E, ...]: no copy
             rows = jnp.where(ids >= 0, layer * E + ids, -1)
             y = device_ffn(flat["gate_up"], flat["down"], x, rows, weights, row_range=(layer * E, E))
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
@@ -346,7 +368,7 @@ class Executor:
         table = jnp.asarray(self.q_of_misses)
         t = state["t"] + 1
         book = (state["slot_of"], state["id_of_slot"], state["stamp"])
-        if A <= _FEW_ASSIGNMENTS:
+        if A <= _BATCH_ASSIGNMENTS:
             (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), sel, base, E, S, table,
                                                                   self.max_fetch(A), *book, t)
             cache = copy_in(state["cache"], pool, layer, copies)

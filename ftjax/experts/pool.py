@@ -9,8 +9,8 @@ F expert FFN dim.
 
 Every weight row is one contiguous dot product, so a kernel streams an expert
 front to back. Storage is float32 or bfloat16 kept as its uint16 bit pattern
-(numpy has no bf16 arithmetic and XLA CPU would convert whole buffers; see
-DESIGN.md section 3). Arrays are 64-byte aligned, which lets `jax.device_put`
+(numpy has no bf16 arithmetic and XLA CPU would convert whole buffers; formats
+are described in `ftjax.experts.storage`). Arrays are 64-byte aligned, which lets `jax.device_put`
 alias them on the CPU backend and keeps SIMD loads on cache lines, and they are
 read-only once built: the FFI handler holds raw pointers into them.
 """
@@ -21,9 +21,12 @@ import dataclasses
 
 import numpy as np
 
+from ftjax.experts.storage import (  # noqa: F401  (re-exported: older imports)
+    FORMATS, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, to_bf16_bits)
+
 ALIGNMENT = 64
 DTYPES = ("float32", "bfloat16")
-_STORAGE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
+_STORAGE = {name: FORMATS[name].storage for name in DTYPES}
 
 
 def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -41,23 +44,6 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
 
 def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
     return a.size == 0 or a.ctypes.data % alignment == 0  # an empty pool (all-dense model) has no data
-
-
-def to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit pattern (uint16), round to nearest even; NaN stays NaN."""
-    a = np.asarray(a, dtype=np.float32)
-    bits = np.ascontiguousarray(a).reshape(a.shape).view(np.uint32)
-    rounding = np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
-    rounded = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> 16) | np.uint32(0x0040)).astype(np.uint16)
-    return rounded
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit pattern (uint16) -> float32, exact."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _as_storage(a: np.ndarray) -> tuple[np.ndarray, str]:
@@ -149,8 +135,13 @@ class HostExpertPool:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (gate_up + down)."""
-        return self.gate_up[0, 0].nbytes + self.down[0, 0].nbytes
+        """Bytes of one expert (every part)."""
+        return expert_bytes(self.parts)
+
+    @property
+    def parts(self) -> dict[str, np.ndarray]:
+        """The pool as a parts pytree (see `ftjax.experts.storage`)."""
+        return expert_parts(self)
 
     @property
     def layer_bytes(self) -> int:
@@ -163,13 +154,3 @@ class HostExpertPool:
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
         """Views (no copy): gate_up [2F, D], down [D, F] of expert e in MoE layer `layer`."""
         return self.gate_up[layer, e], self.down[layer, e]
-
-
-def canonical_dtype(dtype) -> str:
-    """'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 -> 'bfloat16'; f32 alike."""
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "uint16": "bfloat16",
-               "f32": "float32", "fp32": "float32", "float32": "float32"}
-    if name not in aliases:
-        raise ValueError(f"unsupported expert dtype {dtype!r}")
-    return aliases[name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftjax.config import ConfigError, ModelConfig, eos_ids, hf_get, rope_theta
+from ftjax.config import ConfigError, ModelConfig, eos_ids, hf_get, rope_theta, validate
 
 
 def sparse_layers(hf: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -66,4 +66,4 @@ def check(cfg: ModelConfig) -> ModelConfig:
     for name in ("vocab_size", "d_model", "num_layers", "d_ff_expert"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    return cfg
+    return validate(cfg)

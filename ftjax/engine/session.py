@@ -1,0 +1,484 @@
+"""Sessions: one conversation's state, resumable, forkable, and decodable in a batch.
+
+A `Model` holds what every request shares: weights, the host expert pool, the expert
+executor and its device cache (global: sessions share hot experts), the compiled steps
+and telemetry. A `Session` holds what one conversation owns:
+
+    state        tuple of per-layer state pytrees (`models.common.init_state`), batch 1,
+                 capacity S (grown in buckets as the conversation grows)
+    ids          the tokens it holds; all but at most one are *fed* (their state is in
+                 `state`): after `generate`, the last sampled token is pending and is
+                 fed by the next call
+    next logits  [1, V] after the last fed token (what the next token is sampled from)
+    timing       its own prefill / decode seconds and token counts
+
+    s = model.session()              empty
+    s.append(ids) -> logits [V]      prefill from s.position on
+    s.generate(n, ...) -> new ids    continue; the new tokens become part of the session
+    s.fork()                         independent copy (buffers copied: steps donate them)
+    s.snapshot() -> Snapshot         host copy at s.position (+ ids, next logits, the
+                                     model's fingerprint); model.session(snap) resumes it;
+                                     Snapshot.save / load persist it (orbax-checkpoint)
+
+`generate_batch` decodes several sessions together: their states are stacked along the
+batch axis (padded to a power of two and to one capacity), every row at its own
+position, one jitted decode step per token for the whole batch, finished rows masked out
+of the expert executor's records; the rows are split back into their sessions at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.engine.sampling import sample
+from ftjax.engine.telemetry import Timing
+from ftjax.models.common import init_state, resize_state
+
+if TYPE_CHECKING:
+    from ftjax.model import Model
+
+MIN_PROMPT_BUCKET = 16
+MIN_CAPACITY = 128
+SNAPSHOT_FORMAT = 1
+
+
+def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
+    """Smallest power of two >= n (and >= minimum): one compile serves a range of lengths."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+@jax.jit
+def _first_tokens(logits, keys, counters, temperature, top_k, top_p):
+    """Sample from logits [B, V] with fold_in(keys[b], counters[b]) per row -> [B]."""
+    return sample(logits, jax.vmap(jax.random.fold_in)(keys, counters), temperature, top_k, top_p)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0  # first token: prefill (+ compile on first use) + first sample
+    decode_s: float = 0.0  # every decode step after the first token
+    first_step_s: float = 0.0  # the first decode step alone (includes its compile on first use)
+    stop_reason: str = ""
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Steady decode speed: tokens after the first decode step over their time (the
+        first step, which compiles the program on first use, is `first_step_s`)."""
+        n = self.new_tokens - 2
+        t = self.decode_s - self.first_step_s
+        if n > 0 and t > 0:
+            return n / t
+        n = self.new_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not np.isfinite(v):
+                raise ValueError(f"bad sampling setting: {name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise ValueError(f"bad sampling setting: temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"bad sampling setting: top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"bad sampling setting: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    def rows(self, batch: int):
+        """Per-row device arrays: temperature, top_k, top_p [batch]."""
+        return (jnp.full((batch,), self.temperature, jnp.float32), jnp.full((batch,), self.top_k, jnp.int32),
+                jnp.full((batch,), self.top_p, jnp.float32))
+
+
+# ---- snapshots ---------------------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """A session's state on the host, trimmed to its position."""
+
+    state: tuple  # per-layer numpy pytrees, capacity = position
+    ids: list[int]
+    next_logits: np.ndarray  # [V] float32
+    fingerprint: str  # the model (config + weights) it belongs to
+
+    @property
+    def position(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.state)) + self.next_logits.nbytes
+
+    def save(self, path: str | Path) -> Path:
+        """Write to a new folder (orbax-checkpoint for the arrays, JSON for the rest)."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        if path.exists():
+            raise FileExistsError(f"{path} exists: a snapshot is written to a new folder")
+        tree = {"state": list(self.state), "next_logits": self.next_logits}
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(path / "arrays", tree)
+        meta = {"format": SNAPSHOT_FORMAT, "fingerprint": self.fingerprint, "ids": list(map(int, self.ids))}
+        (path / "snapshot.json").write_text(json.dumps(meta))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Snapshot:
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        meta_file = path / "snapshot.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{path}: not an ftjax snapshot (no snapshot.json)")
+        try:
+            meta = json.loads(meta_file.read_text())
+            if meta.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError(f"snapshot format {meta.get('format')!r}, this ftjax reads {SNAPSHOT_FORMAT}")
+            with ocp.StandardCheckpointer() as ckpt:
+                tree = ckpt.restore(path / "arrays")
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{path}: corrupt snapshot ({e})") from None
+        state = tuple({k: np.asarray(v) for k, v in layer.items()} for layer in tree["state"])
+        return cls(state, [int(t) for t in meta["ids"]], np.asarray(tree["next_logits"], np.float32),
+                   str(meta["fingerprint"]))
+
+
+# ---- the session -------------------------------------------------------------------------
+
+class Session:
+    def __init__(self, model: Model, snapshot: Snapshot | None = None):
+        self.model = model
+        self._state = None  # tuple of per-layer pytrees [1, S, ...]
+        self._capacity = 0
+        self._ids: list[int] = []
+        self._fed = 0
+        self._next_logits = None  # [1, V] device array
+        self.timing = Timing()
+        self.last_generation: GenerationStats | None = None
+        if snapshot is not None:
+            self._restore(snapshot)
+
+    # ---- what it holds ------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Tokens held (the next token goes at this position)."""
+        return len(self._ids)
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __repr__(self) -> str:
+        return f"Session(position={self.position}, capacity={self._capacity})"
+
+    # ---- state management ----------------------------------------------------------------
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` tokens in all (capped at the model's max_seq_len), growing
+        the state in buckets; existing state is kept."""
+        m = self.model
+        need = min(max(tokens, 1), m.max_seq_len)
+        if self._state is not None and need <= self._capacity:
+            return
+        cap = min(m.max_seq_len, bucket(need, MIN_CAPACITY))
+        if self._state is None:
+            self._state = init_state(m.config, 1, cap)
+        else:
+            self._state = resize_state(m.config, self._state, cap)
+        self._capacity = cap
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.model.max_seq_len:
+            raise ValueError(f"{self.position} tokens held + {n} new = {self.position + n} do not fit the context of "
+                             f"{self.model.max_seq_len} tokens (max_seq_len)")
+
+    def _prefill(self, ids: np.ndarray, all_logits: bool = False):
+        """Feed ids [T] from the fed position, in chunks of at most `model.prefill_chunk`
+        tokens (activation memory O(chunk)) -> logits ([1, T, V] or [1, V]), device."""
+        C = self.model.prefill_chunk
+        self.reserve(self._fed + ids.size)
+        if ids.size <= C:
+            return self._prefill_chunk(ids, all_logits)
+        chunks = [ids[i:i + C] for i in range(0, ids.size, C)]
+        parts = [self._prefill_chunk(c, all_logits) for c in chunks]
+        return jnp.concatenate([p[:, :c.size] for p, c in zip(parts, chunks)], axis=1) if all_logits else parts[-1]
+
+    def _prefill_chunk(self, ids: np.ndarray, all_logits: bool):
+        m = self.model
+        T, start = ids.size, self._fed
+        self.reserve(start + T)
+        t_pad = min(bucket(T), self._capacity - start)
+        tokens = np.zeros((1, t_pad), np.int32)  # [B, T bucket]
+        tokens[0, :T] = ids
+        start_rows, length = np.array([start], np.int32), np.array([T], np.int32)
+        if m.streams(T):
+            logits, self._state, codes, nbytes = m._streamed.run(
+                m._params, self._state, m._xstate, m.checkpoint.pool, jnp.asarray(tokens), start_rows, length,
+                all_logits=all_logits)
+            m._telemetry.timing.bytes_streamed += nbytes
+        else:
+            logits, self._state, m._xstate, codes = m._steps.prefill(
+                m._params, self._state, m._xstate, m._pool_dev, jnp.asarray(tokens), start_rows, length,
+                all_logits=all_logits)
+        m._telemetry.record("prefill", codes)
+        self._fed += T
+        self._next_logits = logits[:, T - 1] if all_logits else logits
+        return logits
+
+    def _flush(self) -> None:
+        """Feed the pending token (the last one `generate` sampled), if any."""
+        if self._fed < len(self._ids):
+            self._prefill(np.asarray(self._ids[self._fed:], np.int32))
+
+    def _append(self, ids, all_logits: bool):
+        arr = self.model.check_ids(ids)
+        self._check_room(arr.size)
+        pending = self._ids[self._fed:]
+        t0 = time.perf_counter()
+        logits = self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]), all_logits)
+        self._ids.extend(int(t) for t in arr)
+        out = np.asarray(logits[0, len(pending):len(pending) + arr.size] if all_logits else logits[0], np.float32)
+        self._add_prefill_time(time.perf_counter() - t0, arr.size)
+        return out
+
+    def _add_prefill_time(self, seconds: float, tokens: int) -> None:
+        for t in (self.timing, self.model._telemetry.timing):
+            t.prefill_s += seconds
+            t.prefill_tokens += tokens
+
+    def append(self, ids: Sequence[int]) -> np.ndarray:
+        """Prefill `ids` after what the session holds -> [V] float32 logits of the last one."""
+        return self._append(ids, all_logits=False)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Like `append`, but returns the logits at every appended token -> [T, V] float32."""
+        return self._append(ids, all_logits=True)
+
+    def fork(self) -> Session:
+        """An independent copy: both sessions then continue separately."""
+        other = Session(self.model)
+        if self._state is not None:
+            other._state = jax.tree.map(jnp.copy, self._state)
+        other._capacity, other._ids, other._fed = self._capacity, list(self._ids), self._fed
+        other._next_logits = self._next_logits
+        return other
+
+    def snapshot(self) -> Snapshot:
+        """Host-side copy of the state at `position` (pending token fed first)."""
+        if not self._ids:
+            raise ValueError("the session is empty: nothing to snapshot")
+        self._flush()
+        trimmed = resize_state(self.model.config, self._state, self._fed)
+        return Snapshot(jax.device_get(trimmed), list(self._ids), np.asarray(self._next_logits[0], np.float32),
+                        self.model.fingerprint)
+
+    def _restore(self, snap: Snapshot) -> None:
+        m = self.model
+        if snap.fingerprint != m.fingerprint:
+            raise ValueError(f"snapshot belongs to another model or configuration (fingerprint {snap.fingerprint[:12]}, "
+                             f"this model {m.fingerprint[:12]})")
+        n = len(snap.ids)
+        if n > m.max_seq_len:
+            raise ValueError(f"snapshot holds {n} tokens, more than this model's max_seq_len {m.max_seq_len}")
+        if snap.next_logits.shape != (m.config.vocab_size,):
+            raise ValueError(f"snapshot logits have shape {snap.next_logits.shape}, expected ({m.config.vocab_size},)")
+        expected = jax.tree.map(lambda a: a.shape, jax.eval_shape(
+            lambda: resize_state(m.config, init_state(m.config, 1, max(n, 1)), n)))
+        got = jax.tree.map(lambda a: a.shape, snap.state)
+        if got != expected:
+            raise ValueError(f"snapshot state does not match this model's layers: {got} vs {expected}")
+        self._capacity = min(m.max_seq_len, bucket(n + 1, MIN_CAPACITY))
+        self._state = resize_state(m.config, jax.tree.map(jnp.asarray, tuple(snap.state)), self._capacity)
+        self._ids, self._fed = list(snap.ids), n
+        self._next_logits = jnp.asarray(snap.next_logits)[None]
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate_stream(self, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        seed: int = 0, stop: Sequence[str] | None = None, *, prompt: Sequence[int] | None = None,
+                        step_logits: list | None = None) -> Iterator[int]:
+        """Yield new token ids as they are produced; they become part of the session.
+        `prompt` (optional) is appended first and counted in the TTFT. `step_logits`, if a
+        list, receives the [V] logits each token was sampled from."""
+        m = self.model
+        arr = m.check_ids(prompt) if prompt is not None else None
+        settings = _check_generation(m, max_new_tokens, Sampling(temperature, top_k, top_p, seed), stop)
+        stats = self.last_generation = GenerationStats(prompt_tokens=arr.size if arr is not None else 0)
+        if max_new_tokens == 0:
+            return
+        if arr is None and not self._ids:
+            raise ValueError("the session is empty: append a prompt first (or pass prompt=...)")
+        t0 = time.perf_counter()
+        if arr is not None:
+            self._check_room(arr.size)
+            self.reserve(self.position + arr.size + max_new_tokens)
+            pending = self._ids[self._fed:]
+            self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]))
+            self._ids.extend(int(t) for t in arr)
+        budget = min(max_new_tokens, m.max_seq_len - self.position)
+        if budget <= 0:
+            stats.stop_reason = "context"
+            return
+        self.reserve(self.position + budget)
+        yield from _decode_rows([self], [budget], max_new_tokens, settings, stop, t0, [step_logits])
+
+    def generate(self, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, stop: Sequence[str] | None = None, *, prompt: Sequence[int] | None = None) -> list[int]:
+        """Generate up to max_new_tokens after what the session holds; returns the new ids
+        (EOS included if hit). They become part of the session."""
+        return list(self.generate_stream(max_new_tokens, temperature, top_k, top_p, seed, stop, prompt=prompt))
+
+
+def _check_generation(model, max_new_tokens: int, sampling: Sampling, stop) -> Sampling:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if stop and model.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (the model folder has no tokenizer.json)")
+    return sampling
+
+
+def _stack(states: list) -> tuple:
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=0), *states)
+
+
+def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sampling: Sampling, stop, t0: float,
+                 step_logits: list | None = None) -> Iterator[int]:
+    """The decode loop for one or several sessions (rows), one jitted step per token for
+    all rows. With one row it yields each new token as it comes (streaming); with several
+    it runs to the end and yields nothing.
+
+    Each session must have room for its budget; with several rows, none may hold a
+    pending token (a single row feeds its pending token with its first step)."""
+    m = sessions[0].model
+    B = len(sessions)
+    Bp = 1 if B == 1 else bucket(B, 1)  # pad the batch to a power of two: fewer compiles
+    cap = max(s._capacity for s in sessions)
+    for s in sessions:
+        s.reserve(cap)
+    pad_rows = [init_state(m.config, Bp - B, cap)] if Bp > B else []
+    state = sessions[0]._state if Bp == 1 else _stack([s._state for s in sessions] + pad_rows)
+    for s in sessions:
+        s._state = None  # the batch owns the buffers now (the step donates them)
+
+    eos = set(m.config.eos_token_ids) | (set(m.tokenizer.eos_token_ids) if m.tokenizer else set())
+    keys = jnp.stack([jax.random.PRNGKey(sampling.seed)] * Bp)
+    temperature, top_k, top_p = sampling.rows(Bp)
+    active = np.array([True] * B + [False] * (Bp - B))
+    pos = np.array([s._fed for s in sessions] + [0] * (Bp - B), np.int32)
+    new: list[list[int]] = [[] for _ in range(B)]
+    stats = [s.last_generation for s in sessions]
+    step_logits = step_logits or [None] * B
+    tel = m._telemetry
+
+    def decode(token, counter):
+        nonlocal state
+        token, logits, state, m._xstate, codes = m._steps.decode(
+            # copies: on the CPU backend jit may alias a numpy argument, and these change
+            m._params, state, m._xstate, m._pool_dev, token, pos.copy(), active.copy(), keys,
+            np.full((Bp,), counter, np.int32), temperature, top_k, top_p)
+        tel.record("decode", codes)
+        pos[:B] += active[:B]
+        for b in np.flatnonzero(active[:B]):
+            sessions[b]._fed += 1
+        return token, logits
+
+    t_first = None
+    try:
+        for i in range(max(budgets)):
+            t_step = time.perf_counter()
+            if i > 0:
+                token, logits = decode(token, i)
+            elif len(sessions[0]._ids) > sessions[0]._fed:  # one row with a pending token: feed it
+                token, logits = decode(jnp.asarray([sessions[0]._ids[-1]], jnp.int32), 0)
+            else:
+                logits = jnp.concatenate([s._next_logits for s in sessions]
+                                         + [jnp.zeros_like(sessions[0]._next_logits)] * (Bp - B))
+                token = _first_tokens(logits, keys, np.zeros(Bp, np.int32), temperature, top_k, top_p)
+            ids = np.asarray(token)  # the one host sync per step
+            now = time.perf_counter()
+            if i == 0:
+                t_first = now
+            for b in np.flatnonzero(active[:B]):
+                tok, s, g = int(ids[b]), sessions[b], stats[b]
+                if i == 0:
+                    g.ttft_s = now - t0
+                elif i == 1:
+                    g.first_step_s = now - t_step
+                if step_logits[b] is not None:
+                    step_logits[b].append(np.asarray(logits[b], np.float32))
+                s._ids.append(tok)
+                new[b].append(tok)
+                g.new_tokens, g.decode_s = len(new[b]), now - t_first
+                if tok in eos:
+                    g.stop_reason = "eos"
+                elif stop and any(x in m.tokenizer.decode(new[b]) for x in stop):  # stop strings can span tokens
+                    g.stop_reason = "stop"
+                elif len(new[b]) >= budgets[b]:
+                    g.stop_reason = "length" if budgets[b] == requested else "context"
+                active[b] = not g.stop_reason
+                if B == 1:
+                    yield tok
+            if not active.any():
+                break
+    finally:
+        for b, s in enumerate(sessions):
+            s._state = state if Bp == 1 else jax.tree.map(lambda a, b=b: a[b:b + 1], state)
+            s._next_logits = None  # the last token is pending: its logits come from feeding it
+            if t_first is not None:
+                g = stats[b]
+                for t in (s.timing, m._telemetry.timing):
+                    t.prefill_s += g.ttft_s
+                    t.prefill_tokens += g.prompt_tokens
+                    t.decode_s += g.decode_s
+                    t.decode_tokens += max(len(new[b]) - 1, 0)
+
+
+def generate_batch(sessions: list[Session], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed: int = 0, stop: Sequence[str] | None = None) -> list[list[int]]:
+    """Continue several sessions together, one batched decode step per token; each
+    session gets its own new tokens (as its own `generate` would produce them)."""
+    if not sessions:
+        return []
+    m = sessions[0].model
+    if any(s.model is not m for s in sessions) or len({id(s) for s in sessions}) != len(sessions):
+        raise ValueError("generate_batch needs distinct sessions of one model")
+    sampling = _check_generation(m, max_new_tokens, Sampling(temperature, top_k, top_p, seed), stop)
+    if any(not s._ids for s in sessions):
+        raise ValueError("every session needs a prompt before generate_batch")
+    starts = [s.position for s in sessions]
+    for s in sessions:
+        s.last_generation = GenerationStats()
+        if max_new_tokens:
+            s._flush()  # rows decode together from stored logits
+    budgets = [min(max_new_tokens, m.max_seq_len - s.position) for s in sessions]
+    for s, n in zip(sessions, budgets):
+        if max_new_tokens and n <= 0:
+            s.last_generation.stop_reason = "context"
+    live = [s for s, n in zip(sessions, budgets) if n > 0]
+    if live:
+        cap = max(s.position + n for s, n in zip(sessions, budgets) if n > 0)
+        for s in live:
+            s.reserve(cap)
+        for _ in _decode_rows(live, [n for n in budgets if n > 0], max_new_tokens, sampling, stop, time.perf_counter()):
+            pass
+    return [s._ids[start:] for s, start in zip(sessions, starts)]

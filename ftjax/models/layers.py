@@ -1,0 +1,203 @@
+"""Layer kinds: the token-mixing part of a decoder layer, each owning its own state.
+
+A decoder layer is (mixer, then dense MLP or MoE). The mixer is a *layer kind* picked
+from `LAYER_KINDS` by name (`ModelConfig.layer_kind(i)`); the decoder never branches on
+the kind. A kind is an `nnx.Module` class with
+
+    init_state(cfg, layer, batch, max_len) -> state pytree   (every leaf: batch on axis 0)
+    resize_state(state, max_len) -> state                     (grow or trim the capacity)
+    __call__(x [B, T, D], step: Step, state) -> (out [B, T, D], state)
+
+so the session engine can create, grow, stack (batch), split, snapshot and restore any
+kind's state without knowing what is inside. Full attention's state is its KV cache;
+a recurrent kind (Gated DeltaNet) or a latent cache (MLA) registers the same way.
+
+Kinds
+    attention   GQA attention over a preallocated KV cache {"k", "v"}: [B, S, G, hd],
+                written at each row's own `start` and read with a position mask (optional
+                sliding window from the config), so prefill, decode and batched decode of
+                sessions at different positions are one code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ftjax.config import ModelConfig
+from ftjax.models.ops import RMSNorm, Step, apply_rope, linear, linear_param, param
+
+LAYER_KINDS: dict[str, type] = {}
+
+
+def layer_kind(name: str):
+    """Class decorator: register a layer kind under `name`."""
+    def register(cls):
+        LAYER_KINDS[name] = cls
+        cls.kind = name
+        return cls
+    return register
+
+
+def kind_class(name: str) -> type:
+    if name not in LAYER_KINDS:
+        raise ValueError(f"unknown layer kind {name!r} (known: {', '.join(sorted(LAYER_KINDS))})")
+    return LAYER_KINDS[name]
+
+
+def attention_mask(q_pos: jax.Array, cache_len: int, window: int) -> jax.Array:
+    """Boolean [B, T, S]: key at position s visible to the query at position q."""
+    k_pos = jnp.arange(cache_len, dtype=jnp.int32)[None, None, :]
+    q = q_pos[:, :, None]
+    visible = k_pos <= q
+    if window > 0:
+        visible &= k_pos > q - window
+    return visible
+
+
+ATTENTION_BLOCK = 512  # keys per block: scores are [B, H, T, block], never [B, H, T, S]
+_MASKED = -1e30  # finite: a fully masked block must not turn the running max into NaN
+
+
+def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
+                      kv_len: jax.Array, window: int = 0, block: int = ATTENTION_BLOCK) -> jax.Array:
+    """Causal GQA attention over the cache prefix in use, one key block at a time with a
+    running max and sum (flash-attention style): memory O(T x block), and the loop runs
+    only over the blocks that hold keys of this call (up to max(kv_len)), so the cost is
+    the bytes in use, not the capacity. Sliding windows skip the blocks before the window.
+
+    q [B, T, H, hd]; cache_k / cache_v [B, S, G, hd] (any float storage); positions [B, T];
+    kv_len [B] keys in use per row (start + T) -> out [B, T, H, hd] float32. Each query
+    head reads its KV head's block once with the other heads of its group."""
+    B, T, H, hd = q.shape
+    S, G = cache_k.shape[1], cache_k.shape[2]
+    r = H // G
+    block = block if S % block == 0 else S
+    q = q.astype(jnp.float32).reshape(B, T, G, r, hd) * hd**-0.5
+    q_pos = positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    stop = jnp.minimum((jnp.max(kv_len) + block - 1) // block, S // block)
+    first = 0
+    if window > 0:  # no query of this call sees keys before min(positions) - window + 1
+        first = jnp.maximum(jnp.min(positions) - window + 1, 0) // block
+
+    def body(i, carry):
+        m, l, acc = carry  # [B, G, r, T], [B, G, r, T], [B, G, r, T, hd]
+        kb = jax.lax.dynamic_slice_in_dim(cache_k, i * block, block, axis=1).astype(jnp.float32)  # [B, blk, G, hd]
+        vb = jax.lax.dynamic_slice_in_dim(cache_v, i * block, block, axis=1).astype(jnp.float32)
+        s = jnp.einsum("btgrd,bsgd->bgrts", q, kb)  # [B, G, r, T, blk]
+        k_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        vb = jnp.where((k_pos[None, :] < kv_len[:, None])[:, :, None, None], vb, 0.0)  # rows past the keys in use
+        visible = k_pos <= q_pos
+        if window > 0:
+            visible &= k_pos > q_pos - window
+        s = jnp.where(visible, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        l = l * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("bgrts,bsgd->bgrtd", p, vb)
+        return m_new, l, acc
+
+    init = (jnp.full((B, G, r, T), _MASKED, jnp.float32), jnp.zeros((B, G, r, T), jnp.float32),
+            jnp.zeros((B, G, r, T, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first, stop, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, G, r, T, hd]
+    return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
+
+
+def reference_attention(q, cache_k, cache_v, positions, window: int = 0) -> jax.Array:
+    """The direct form (test oracle): one [B, H, T, S] score matrix over the whole cache."""
+    B, T, H, hd = q.shape
+    S, G = cache_k.shape[1], cache_k.shape[2]
+    q = q.astype(jnp.float32).reshape(B, T, G, H // G, hd)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", q, cache_k.astype(jnp.float32)) * hd**-0.5  # [B, G, r, T, S]
+    mask = attention_mask(positions, S, window)[:, None, None]  # [B, 1, 1, T, S]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bgrts,bsgd->btgrd", probs, cache_v.astype(jnp.float32)).reshape(B, T, H, hd)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, S, ...] with new [B, T, ...] written at row b from start[b] (in place when
+    the cache is donated). One row: a dynamic_update_slice; several: the same, vmapped."""
+    new = new.astype(cache.dtype)
+    if cache.shape[0] == 1:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, start[0], axis=1)
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, start)
+
+
+def resize_axis(a: jax.Array, size: int, axis: int) -> jax.Array:
+    """Pad with zeros or trim `a` along `axis` to `size`."""
+    n = a.shape[axis]
+    if size <= n:
+        return jax.lax.slice_in_dim(a, 0, size, axis=axis)
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - n)
+    return jnp.pad(a, pad)
+
+
+@layer_kind("attention")
+class Attention(nnx.Module):
+    """GQA attention with RoPE, optional q/k norms, biases, clipping and sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
+        D, H, G, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.window = cfg, cfg.sliding_windows[layer]
+        self.wq = linear_param(D, H * hd, dtype, packed)
+        self.wk, self.wv = linear_param(D, G * hd, dtype, packed), linear_param(D, G * hd, dtype, packed)
+        self.wo = linear_param(H * hd, D, dtype, packed)
+        if cfg.qkv_bias:
+            self.bq, self.bk, self.bv = param((H * hd,), dtype), param((G * hd,), dtype), param((G * hd,), dtype)
+        if cfg.o_bias:
+            self.bo = param((D,), dtype)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype), RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * hd, cfg.rms_norm_eps, dtype), RMSNorm(G * hd, cfg.rms_norm_eps, dtype)
+
+    # ---- state ------------------------------------------------------------------------
+    @staticmethod
+    def init_state(cfg: ModelConfig, layer: int, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, Any]:
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)  # [B, S, G, hd]
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    @staticmethod
+    def resize_state(state: dict[str, Any], max_len: int) -> dict[str, Any]:
+        return {name: resize_axis(a, max_len, axis=1) for name, a in state.items()}
+
+    # ---- forward ------------------------------------------------------------------------
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        q, k, v = linear(x, self.wq[...]), linear(x, self.wk[...]), linear(x, self.wv[...])  # [B, T, H*hd], [B, T, G*hd] x2
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            c = cfg.clip_qkv
+            q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
+        B, T, _ = x.shape
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
+        """x [B, T, D] -> out [B, T, D], state with this call's keys/values written."""
+        cfg = self.cfg
+        q, k, v = self._project(x)
+        cos, sin = step.rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        state = {"k": write_rows(state["k"], k, step.start), "v": write_rows(state["v"], v, step.start)}
+        cache_k, cache_v = state["k"], state["v"]  # [B, S, G, hd]
+
+        B, T, H, hd = q.shape
+        out = blocked_attention(q, cache_k, cache_v, step.positions, step.start + T, self.window).reshape(B, T, H * hd)
+        out = linear(out.astype(x.dtype), self.wo[...])
+        if cfg.o_bias:
+            out = out + self.bo[...]
+        return out, state

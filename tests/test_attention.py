@@ -1,0 +1,100 @@
+"""Attention over the state a layer kind owns: the blocked (flash-style) form equals the
+direct reference across block, chunk and window boundaries; chunked prefill equals one
+pass; decode far into the context equals a full forward; the decode step updates its
+state in place."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ftjax
+import hf_models
+from ftjax.models.common import init_state
+from ftjax.models.layers import blocked_attention, reference_attention
+
+CASES = [  # B, T, H, G, hd, S, start per row, window, block
+    (1, 7, 4, 2, 8, 64, 0, 0, 16),
+    (2, 5, 4, 2, 8, 64, [3, 40], 0, 16),  # rows at different positions
+    (1, 33, 4, 4, 8, 128, 50, 20, 16),  # window smaller than a block, queries across blocks
+    (3, 1, 8, 2, 16, 256, [0, 100, 255], 0, 64),  # batched decode
+    (1, 16, 4, 2, 8, 48, 10, 0, 512),  # capacity not a multiple of the block: one block
+    (2, 9, 6, 3, 8, 96, [0, 70], 37, 32),  # GQA 2 heads per group, window across blocks
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,hd,S,start,window,block", CASES)
+def test_blocked_equals_reference(B, T, H, G, hd, S, start, window, block):
+    rng = np.random.default_rng(0)
+    start = np.broadcast_to(np.asarray(start), (B,)).astype(np.int32)
+    q = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((B, S, G, hd)).astype(np.float32) for _ in range(2))
+    positions = np.minimum(start[:, None] + np.arange(T)[None], S - 1)
+    out = blocked_attention(q, k, v, positions, jnp.asarray(start + T), window, block)
+    ref = reference_attention(q, k, v, positions, window)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
+
+
+def test_blocked_reads_only_the_keys_in_use():
+    """Garbage (NaN) past the keys in use must not reach the output."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 64, 2, 8)).astype(np.float32) for _ in range(2))
+    k[:, 20:], v[:, 20:] = np.nan, np.nan
+    out = blocked_attention(q, k, v, np.array([[19]]), jnp.array([20]), 0, 16)
+    ref = reference_attention(q[:, :, :, :], k[:, :20], v[:, :20], np.array([[19]]))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """qwen2_moe with sliding-window layers (window 6) next to full-attention ones."""
+    hf = hf_models.build("qwen2_moe", seed=13, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                         max_position_embeddings=256)
+    assert set(hf.config.layer_types) == {"full_attention", "sliding_attention"}  # both kinds side by side
+    return hf, hf_models.save(hf, tmp_path_factory.mktemp("windowed"))
+
+
+def test_chunked_prefill_and_long_decode_match_transformers(windowed):
+    hf, path = windowed
+    ids = [int(t) for t in np.random.RandomState(2).randint(0, 96, size=50)]
+    ref = hf_models.hf_logits(hf, ids).numpy()
+    tol = 2e-5 * np.abs(ref).max()
+    for chunk in (7, 16, 4096):  # chunks across the window and across the 16-token prompt buckets
+        model = ftjax.load(path, prefill_chunk=chunk)
+        np.testing.assert_allclose(model.logits(ids), ref, atol=tol, rtol=0)
+    # decode one token at a time far past the window == the full forward
+    s = model.session()
+    s.append(ids[:3])
+    steps = [s.append([t]) for t in ids[3:]]
+    np.testing.assert_allclose(np.stack(steps), ref[3:], atol=tol, rtol=0)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(windowed):
+    _, path = windowed
+    model = ftjax.load(path, max_seq_len=64)
+    with pytest.raises(ValueError, match="does not fit the context of 64"):
+        model.generate(list(range(64)), 1)
+    with pytest.raises(ValueError, match="max_seq_len must be in 2..256"):
+        ftjax.load(path, max_seq_len=1000)
+
+
+def test_decode_step_updates_the_state_in_place(windowed):
+    """The step donates the state: the old buffers are consumed, and the compiled step
+    needs no second copy of the KV cache as scratch."""
+    _, path = windowed
+    model = ftjax.load(path, policy="host")
+    cap = 256
+    state = init_state(model.config, 1, cap)
+    state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
+    args = (model._params, state, model._xstate, model._pool_dev, jnp.zeros(1, jnp.int32), np.array([5], np.int32),
+            np.ones(1, bool), jax.random.PRNGKey(0)[None], np.zeros(1, np.int32), jnp.zeros(1), jnp.zeros(1, jnp.int32),
+            jnp.ones(1))
+    compiled = model._steps.decode.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        assert mem.temp_size_in_bytes < state_bytes / 2
+        assert mem.alias_size_in_bytes >= state_bytes
+    out = model._steps.decode(*args)
+    assert all(a.is_deleted() for a in jax.tree.leaves(state))
+    assert all(not a.is_deleted() for a in jax.tree.leaves(out[2]))
