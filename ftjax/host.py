@@ -2,7 +2,7 @@
 host (CPU) kernels: the routed-expert FFN, and dense layers stored as bf16 bits.
 
     jitted step --(x [T,D], layer [], ids [T,K], weights [T,K])--> expert_ffn --> y [T,D]
-        CPU backend:  jax.ffi.ffi_call -> C++ XLA FFI handler (~0.5 us, async dispatch kept)
+        CPU backend:  jax.ffi.ffi_call -> C++ XLA FFI handler (~2 us per call inside a step, async dispatch kept)
         other:        jax.pure_callback -> the same C++ kernel through nanobind (portable)
 
 Both paths run the kernel in `host_kernels/` (SwiGLU over experts read in place

@@ -35,7 +35,7 @@ from ftjax.engine.telemetry import DEFAULT_KEEP_RECORDS, Telemetry
 from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
 from ftjax.experts.policy import get_policy, transfer_ratio
 from ftjax.host import default_threads, pool_view
-from ftjax.models.common import CausalLM
+from ftjax.models.common import CausalLM, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
@@ -59,6 +59,7 @@ class Model:
     stream_threshold: int = 0  # prompt length from which "auto" streams (accelerators only)
     fingerprint: str = ""  # config + weights identity, checked when a snapshot is restored
     prefill_chunk: int = 4096  # longer prompts prefill in chunks of this many tokens
+    kv_dtype: Any = jnp.float32  # storage of cached activations (attention K/V)
     last_generation: GenerationStats | None = None
 
     def __repr__(self) -> str:
@@ -100,6 +101,10 @@ class Model:
         return streams(self.prefill_mode, self.stream_threshold, num_tokens, jax.default_backend() == "cpu")
 
     # ---- sessions ------------------------------------------------------------------------------
+    def new_state(self, batch: int, capacity: int):
+        """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers)."""
+        return init_state(self.config, batch, capacity, self.kv_dtype)
+
     def session(self, snapshot: Snapshot | None = None) -> Session:
         """A new conversation: empty, or resumed exactly where `snapshot` was taken."""
         return Session(self, snapshot)
@@ -216,7 +221,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          max_seq_len: int | None = None, expert_dtype: str | None = None, dense_dtype: str | None = None,
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
-         prefill_chunk: int = 4096) -> Model:
+         prefill_chunk: int = 4096, kv_dtype: str = "float32") -> Model:
     """Load a Hugging Face MoE checkpoint folder (None = the embedded default model).
 
     policy: where experts run (`ftjax.experts.policy.POLICIES`); cache_slots / cache_bytes:
@@ -230,8 +235,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     layers once a prompt reaches `prefill_stream_threshold` tokens; never on the CPU
     backend), "cached" or "streamed"; keep_records: how many recent steps `expert_log()`
     keeps (0 = none, None = all; the counters of `stats()` are cumulative regardless);
-    prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk)).
+    prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk));
+    kv_dtype: "float32" (default) or "bfloat16", the storage of the attention K/V cache
+    (bf16 halves the bytes a long-context decode step reads).
     """
+    kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+    if kv_dtype not in kv_dtypes:
+        raise ValueError(f"kv_dtype must be one of {sorted(kv_dtypes)}, got {kv_dtype!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     cores = default_threads()
@@ -285,7 +295,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
                  _pool_dev=pool_view(pool),
                  _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
                  _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
-                 stream_threshold=threshold, fingerprint=fingerprint(ckpt), prefill_chunk=prefill_chunk)
+                 stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
+                 kv_dtype=kv_dtypes[kv_dtype])
 
 
 def streams(mode: str, threshold: int, num_tokens: int, device_is_host: bool) -> bool:
@@ -296,10 +307,10 @@ def streams(mode: str, threshold: int, num_tokens: int, device_is_host: bool) ->
     return mode == "streamed"
 
 
-def fingerprint(ckpt: Checkpoint) -> str:
+def fingerprint(ckpt: Checkpoint, kv_dtype: str = "float32") -> str:
     """Identity of a loaded model for snapshots: the config, the storage formats, and each
     weight file's name, size, header and first and last 64 KiB."""
-    h = hashlib.sha256(repr((ckpt.config, ckpt.dense_dtype, ckpt.pool.dtype)).encode())
+    h = hashlib.sha256(repr((ckpt.config, ckpt.dense_dtype, ckpt.pool.dtype, kv_dtype)).encode())
     for path in safetensors_files(ckpt.path):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())

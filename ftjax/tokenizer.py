@@ -269,6 +269,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids of ``text``; special tokens written in the text map to their single ids."""
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt bytes are not valid UTF-8 ({e})") from None
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes text (str), got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -10,7 +10,6 @@ import pytest
 
 import ftjax
 import hf_models
-from ftjax.models.common import init_state
 from ftjax.models.layers import blocked_attention, reference_attention
 
 CASES = [  # B, T, H, G, hd, S, start per row, window, block
@@ -28,7 +27,7 @@ def test_blocked_equals_reference(B, T, H, G, hd, S, start, window, block):
     rng = np.random.default_rng(0)
     start = np.broadcast_to(np.asarray(start), (B,)).astype(np.int32)
     q = rng.standard_normal((B, T, H, hd)).astype(np.float32)
-    k, v = (rng.standard_normal((B, S, G, hd)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, G, S, hd)).astype(np.float32) for _ in range(2))
     positions = np.minimum(start[:, None] + np.arange(T)[None], S - 1)
     out = blocked_attention(q, k, v, positions, jnp.asarray(start + T), window, block)
     ref = reference_attention(q, k, v, positions, window)
@@ -39,10 +38,10 @@ def test_blocked_reads_only_the_keys_in_use():
     """Garbage (NaN) past the keys in use must not reach the output."""
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 64, 2, 8)).astype(np.float32) for _ in range(2))
-    k[:, 20:], v[:, 20:] = np.nan, np.nan
+    k, v = (rng.standard_normal((1, 2, 64, 8)).astype(np.float32) for _ in range(2))
+    k[:, :, 20:], v[:, :, 20:] = np.nan, np.nan
     out = blocked_attention(q, k, v, np.array([[19]]), jnp.array([20]), 0, 16)
-    ref = reference_attention(q[:, :, :, :], k[:, :20], v[:, :20], np.array([[19]]))
+    ref = reference_attention(q, k[:, :, :20], v[:, :, :20], np.array([[19]]))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
 
 
@@ -79,13 +78,13 @@ def test_prompt_longer_than_the_context_is_a_clear_error(windowed):
         ftjax.load(path, max_seq_len=1000)
 
 
-def test_decode_step_updates_the_state_in_place(windowed):
+def test_decode_step_updates_the_state_in_place(tmp_path):
     """The step donates the state: the old buffers are consumed, and the compiled step
     needs no second copy of the KV cache as scratch."""
-    _, path = windowed
+    path = hf_models.save(hf_models.build("qwen3_moe", seed=2, max_position_embeddings=8192), tmp_path)
     model = ftjax.load(path, policy="host")
-    cap = 256
-    state = init_state(model.config, 1, cap)
+    cap = 8192
+    state = model.new_state(1, cap)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
     args = (model._params, state, model._xstate, model._pool_dev, jnp.zeros(1, jnp.int32), np.array([5], np.int32),
             np.ones(1, bool), jax.random.PRNGKey(0)[None], np.zeros(1, np.int32), jnp.zeros(1), jnp.zeros(1, jnp.int32),
@@ -98,3 +97,21 @@ def test_decode_step_updates_the_state_in_place(windowed):
     out = model._steps.decode(*args)
     assert all(a.is_deleted() for a in jax.tree.leaves(state))
     assert all(not a.is_deleted() for a in jax.tree.leaves(out[2]))
+
+
+def test_bf16_kv_cache(windowed):
+    """kv_dtype="bfloat16" stores K/V as bf16 (half the bytes a decode step reads); the
+    logits stay within bf16 rounding of the f32 cache's, and a snapshot of one does not
+    restore into the other."""
+    _, path = windowed
+    ids = [int(t) for t in np.random.RandomState(4).randint(0, 96, size=40)]
+    f32, bf16 = ftjax.load(path), ftjax.load(path, kv_dtype="bfloat16")
+    s = bf16.session()
+    s.append(ids[:30])
+    assert {a.dtype for a in jax.tree.leaves(s._state)} == {jnp.dtype(jnp.bfloat16)}
+    ref, got = f32.logits(ids), np.stack([s.append([t]) for t in ids[30:]])
+    np.testing.assert_allclose(got, ref[30:], atol=2e-2 * np.abs(ref).max(), rtol=0)
+    with pytest.raises(ValueError, match="another model"):
+        f32.session(s.snapshot())
+    with pytest.raises(ValueError, match="kv_dtype"):
+        ftjax.load(path, kv_dtype="float16")

@@ -357,3 +357,11 @@ def test_retraining_reproduces_default_tokenizer(tmp_path):
     subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True, capture_output=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / name).read_bytes() == (DEFAULT_MODEL / name).read_bytes(), name
+
+
+def test_encode_rejects_what_is_not_text(tok):
+    assert tok.encode("caf\u00e9".encode("utf-8")) == tok.encode("caf\u00e9")
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        tok.encode(b"\xff\xfe broken")
+    with pytest.raises(TypeError, match="takes text"):
+        tok.encode(12345)

@@ -23,7 +23,6 @@ import numpy as np
 
 from ftjax.engine.session import MIN_PROMPT_BUCKET, bucket
 from ftjax.engine.telemetry import Telemetry
-from ftjax.models.common import init_state
 
 NOT_AVAILABLE = "not available in this build"
 
@@ -41,7 +40,7 @@ def prefill_breakdown(model, ids: Sequence[int]) -> dict[str, float]:
     """Streamed prefill of `ids` from an empty state: T_prefill, T_transfer, T_compute."""
     arr = model._check_prompt(ids)
     tokens, start, length, cap = _streamed_inputs(model, arr)
-    return model._streamed.breakdown(model._params, lambda: init_state(model.config, 1, cap), model._xstate,
+    return model._streamed.breakdown(model._params, lambda: model.new_state(1, cap), model._xstate,
                                      model.checkpoint.pool, tokens, start, length)
 
 

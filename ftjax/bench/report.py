@@ -1,6 +1,6 @@
 """report.md and the one-line summary of `ftjax bench paper`.
 
-The report puts the paper's numbers (REFERENCE.md) beside ours and ends with a list of
+The report puts the paper's numbers (the FreeToken paper's tables) beside ours and ends with a list of
 the paper's claims, each marked REPRODUCED, REFUTED or CANNOT TEST (with the reason),
 decided by explicit thresholds written next to each verdict ("Rule: ..."). Claims about
 the host->device link (q*, B_H - B_P under concurrency, hybrid splits, overlapping
@@ -357,7 +357,7 @@ def _prefill(r: dict) -> str:
         rows.append(["cached-path prefill (TTFT), same prompt", _ms(p["t_cached_prefill_s"])])
     if p.get("transfer_gbps"):
         rows.append(["transfer GB/s (bytes sent / T_transfer)", f"{p['transfer_gbps']:.2f}"])
-    return (head + f"`Model.prefill_breakdown` on a {p['tokens']}-token prompt, medians of {p['repeats']} (ms). "
+    return (head + f"`bench.prefill.prefill_breakdown` on a {p['tokens']}-token prompt, medians of {p['repeats']} (ms). "
             "Paper: prefill time close to one pass of streaming (compute hidden), i.e. a ratio near 1.\n\n"
             + markdown_table(rows, ["quantity", "value"]))
 

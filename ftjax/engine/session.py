@@ -40,7 +40,7 @@ import numpy as np
 
 from ftjax.engine.sampling import sample
 from ftjax.engine.telemetry import Timing
-from ftjax.models.common import init_state, resize_state
+from ftjax.models.common import resize_state
 
 if TYPE_CHECKING:
     from ftjax.model import Model
@@ -203,7 +203,7 @@ class Session:
             return
         cap = min(m.max_seq_len, bucket(need, MIN_CAPACITY))
         if self._state is None:
-            self._state = init_state(m.config, 1, cap)
+            self._state = m.new_state(1, cap)
         else:
             self._state = resize_state(m.config, self._state, cap)
         self._capacity = cap
@@ -304,7 +304,7 @@ class Session:
         if snap.next_logits.shape != (m.config.vocab_size,):
             raise ValueError(f"snapshot logits have shape {snap.next_logits.shape}, expected ({m.config.vocab_size},)")
         expected = jax.tree.map(lambda a: a.shape, jax.eval_shape(
-            lambda: resize_state(m.config, init_state(m.config, 1, max(n, 1)), n)))
+            lambda: resize_state(m.config, m.new_state(1, max(n, 1)), n)))
         got = jax.tree.map(lambda a: a.shape, snap.state)
         if got != expected:
             raise ValueError(f"snapshot state does not match this model's layers: {got} vs {expected}")
@@ -375,7 +375,7 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
     cap = max(s._capacity for s in sessions)
     for s in sessions:
         s.reserve(cap)
-    pad_rows = [init_state(m.config, Bp - B, cap)] if Bp > B else []
+    pad_rows = [m.new_state(Bp - B, cap)] if Bp > B else []
     state = sessions[0]._state if Bp == 1 else _stack([s._state for s in sessions] + pad_rows)
     for s in sessions:
         s._state = None  # the batch owns the buffers now (the step donates them)

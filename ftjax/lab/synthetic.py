@@ -11,7 +11,7 @@ two-part model of decode routing, per MoE layer:
 
 locality = 0 gives i.i.d. popular routing; locality = 1 repeats the first token
 forever. Real models sit in between (Mixtral repeats its first choice 14-28% of
-the time, see REFERENCE.md). Optionally one prefill record per layer is prepended:
+the time, see the FreeToken paper). Optionally one prefill record per layer is prepended:
 the union of `prefill_tokens` routing draws, as a prefill chunk would select.
 """
 

@@ -161,9 +161,11 @@ class CausalLM(nnx.Module):
         return linear(x, self.lm_head[...]).astype(jnp.float32)
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int) -> State:
-    """Fresh state for `batch` rows of capacity `max_len`: each layer kind's own pytree."""
-    return tuple(kind_class(cfg.layer_kind(i)).init_state(cfg, i, batch, max_len) for i in range(cfg.num_layers))
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> State:
+    """Fresh state for `batch` rows of capacity `max_len`: each layer kind's own pytree,
+    its cached activations (e.g. attention's K and V) stored as `dtype`."""
+    return tuple(kind_class(cfg.layer_kind(i)).init_state(cfg, i, batch, max_len, dtype)
+                 for i in range(cfg.num_layers))
 
 
 def resize_state(cfg: ModelConfig, state: State, max_len: int) -> State:

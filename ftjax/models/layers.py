@@ -4,7 +4,7 @@ A decoder layer is (mixer, then dense MLP or MoE). The mixer is a *layer kind* p
 from `LAYER_KINDS` by name (`ModelConfig.layer_kind(i)`); the decoder never branches on
 the kind. A kind is an `nnx.Module` class with
 
-    init_state(cfg, layer, batch, max_len) -> state pytree   (every leaf: batch on axis 0)
+    init_state(cfg, layer, batch, max_len, dtype) -> state pytree   (every leaf: batch on axis 0)
     resize_state(state, max_len) -> state                     (grow or trim the capacity)
     __call__(x [B, T, D], step: Step, state) -> (out [B, T, D], state)
 
@@ -13,7 +13,7 @@ kind's state without knowing what is inside. Full attention's state is its KV ca
 a recurrent kind (Gated DeltaNet) or a latent cache (MLA) registers the same way.
 
 Kinds
-    attention   GQA attention over a preallocated KV cache {"k", "v"}: [B, S, G, hd],
+    attention   GQA attention over a preallocated KV cache {"k", "v"}: [B, G, S, hd],
                 written at each row's own `start` and read with a position mask (optional
                 sliding window from the config), so prefill, decode and batched decode of
                 sessions at different positions are one code path.
@@ -65,31 +65,35 @@ _MASKED = -1e30  # finite: a fully masked block must not turn the running max in
 def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
                       kv_len: jax.Array, window: int = 0, block: int = ATTENTION_BLOCK) -> jax.Array:
     """Causal GQA attention over the cache prefix in use, one key block at a time with a
-    running max and sum (flash-attention style): memory O(T x block), and the loop runs
-    only over the blocks that hold keys of this call (up to max(kv_len)), so the cost is
-    the bytes in use, not the capacity. Sliding windows skip the blocks before the window.
+    running max and sum (flash-attention style): memory O(T x block), and only the blocks
+    that hold keys of this call (up to max(kv_len)) are read, so the cost is the bytes in
+    use, not the capacity (the others are skipped by a cond; the trip count stays static,
+    so training can differentiate through it). Sliding windows skip the blocks before
+    the window.
 
-    q [B, T, H, hd]; cache_k / cache_v [B, S, G, hd] (any float storage); positions [B, T];
-    kv_len [B] keys in use per row (start + T) -> out [B, T, H, hd] float32. Each query
-    head reads its KV head's block once with the other heads of its group."""
+    q [B, T, H, hd]; cache_k / cache_v [B, G, S, hd] (head-major: each KV head's keys are
+    one contiguous [S, hd] matrix, read once per block for all r = H/G query heads and T
+    queries of its group); positions [B, T]; kv_len [B] keys in use per row (start + T)
+    -> out [B, T, H, hd] float32."""
     B, T, H, hd = q.shape
-    S, G = cache_k.shape[1], cache_k.shape[2]
+    G, S = cache_k.shape[1], cache_k.shape[2]
     r = H // G
     block = block if S % block == 0 else S
-    q = q.astype(jnp.float32).reshape(B, T, G, r, hd) * hd**-0.5
-    q_pos = positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    q = q.astype(jnp.float32).reshape(B, T, G, r, hd).transpose(0, 2, 3, 1, 4).reshape(B, G, r * T, hd)
+    q = q * hd**-0.5  # [B, G, Q = r*T, hd], query index = head-in-group * T + t
+    q_pos = jnp.broadcast_to(positions[:, None, :], (B, r, T)).reshape(B, 1, r * T, 1)  # [B, 1, Q, 1]
     stop = jnp.minimum((jnp.max(kv_len) + block - 1) // block, S // block)
     first = 0
     if window > 0:  # no query of this call sees keys before min(positions) - window + 1
         first = jnp.maximum(jnp.min(positions) - window + 1, 0) // block
 
-    def body(i, carry):
-        m, l, acc = carry  # [B, G, r, T], [B, G, r, T], [B, G, r, T, hd]
-        kb = jax.lax.dynamic_slice_in_dim(cache_k, i * block, block, axis=1).astype(jnp.float32)  # [B, blk, G, hd]
-        vb = jax.lax.dynamic_slice_in_dim(cache_v, i * block, block, axis=1).astype(jnp.float32)
-        s = jnp.einsum("btgrd,bsgd->bgrts", q, kb)  # [B, G, r, T, blk]
+    def attend_block(i, carry):
+        m, l, acc = carry  # [B, G, Q], [B, G, Q], [B, G, Q, hd]
+        kb = jax.lax.dynamic_slice_in_dim(cache_k, i * block, block, axis=2).astype(jnp.float32)  # [B, G, blk, hd]
+        vb = jax.lax.dynamic_slice_in_dim(cache_v, i * block, block, axis=2).astype(jnp.float32)
         k_pos = i * block + jnp.arange(block, dtype=jnp.int32)
-        vb = jnp.where((k_pos[None, :] < kv_len[:, None])[:, :, None, None], vb, 0.0)  # rows past the keys in use
+        vb = jnp.where((k_pos[None, :] < kv_len[:, None])[:, None, :, None], vb, 0.0)  # rows past the keys in use
+        s = jnp.einsum("bgqd,bgsd->bgqs", q, kb)  # [B, G, Q, blk]
         visible = k_pos <= q_pos
         if window > 0:
             visible &= k_pos > q_pos - window
@@ -98,34 +102,39 @@ def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posi
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
         l = l * scale + jnp.sum(p, axis=-1)
-        acc = acc * scale[..., None] + jnp.einsum("bgrts,bsgd->bgrtd", p, vb)
+        acc = acc * scale[..., None] + jnp.einsum("bgqs,bgsd->bgqd", p, vb)
         return m_new, l, acc
 
-    init = (jnp.full((B, G, r, T), _MASKED, jnp.float32), jnp.zeros((B, G, r, T), jnp.float32),
-            jnp.zeros((B, G, r, T, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(first, stop, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, G, r, T, hd]
-    return jnp.moveaxis(out, 3, 1).reshape(B, T, H, hd)
+    def body(i, carry):  # static trip count (differentiable); blocks outside [first, stop) are skipped
+        return jax.lax.cond((i >= first) & (i < stop), attend_block, lambda i, c: c, i, carry)
+
+    init = (jnp.full((B, G, r * T), _MASKED, jnp.float32), jnp.zeros((B, G, r * T), jnp.float32),
+            jnp.zeros((B, G, r * T, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, S // block, body, init)
+    out = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(B, G, r, T, hd)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
 def reference_attention(q, cache_k, cache_v, positions, window: int = 0) -> jax.Array:
-    """The direct form (test oracle): one [B, H, T, S] score matrix over the whole cache."""
+    """The direct form (test oracle): one [B, H, T, S] score matrix over the whole cache.
+    Caches [B, G, S, hd] as in `blocked_attention`."""
     B, T, H, hd = q.shape
-    S, G = cache_k.shape[1], cache_k.shape[2]
+    G, S = cache_k.shape[1], cache_k.shape[2]
     q = q.astype(jnp.float32).reshape(B, T, G, H // G, hd)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", q, cache_k.astype(jnp.float32)) * hd**-0.5  # [B, G, r, T, S]
+    scores = jnp.einsum("btgrd,bgsd->bgrts", q, cache_k.astype(jnp.float32)) * hd**-0.5  # [B, G, r, T, S]
     mask = attention_mask(positions, S, window)[:, None, None]  # [B, 1, 1, T, S]
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bgrts,bsgd->btgrd", probs, cache_v.astype(jnp.float32)).reshape(B, T, H, hd)
+    return jnp.einsum("bgrts,bgsd->btgrd", probs, cache_v.astype(jnp.float32)).reshape(B, T, H, hd)
 
 
-def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [B, S, ...] with new [B, T, ...] written at row b from start[b] (in place when
-    the cache is donated). One row: a dynamic_update_slice; several: the same, vmapped."""
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
+    """cache [B, ..., S (axis), ...] with new [B, ..., T, ...] written at row b from start[b]
+    (in place when the cache is donated). One row: a dynamic_update_slice; several: the
+    same, vmapped."""
     new = new.astype(cache.dtype)
     if cache.shape[0] == 1:
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, start[0], axis=1)
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, start)
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, start[0], axis=axis)
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(cache, new, start)
 
 
 def resize_axis(a: jax.Array, size: int, axis: int) -> jax.Array:
@@ -160,12 +169,12 @@ class Attention(nnx.Module):
     # ---- state ------------------------------------------------------------------------
     @staticmethod
     def init_state(cfg: ModelConfig, layer: int, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, Any]:
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)  # [B, S, G, hd]
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # [B, G, S, hd]: head-major, read per block
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
     @staticmethod
     def resize_state(state: dict[str, Any], max_len: int) -> dict[str, Any]:
-        return {name: resize_axis(a, max_len, axis=1) for name, a in state.items()}
+        return {name: resize_axis(a, max_len, axis=2) for name, a in state.items()}
 
     # ---- forward ------------------------------------------------------------------------
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -192,8 +201,9 @@ class Attention(nnx.Module):
         q, k, v = self._project(x)
         cos, sin = step.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        state = {"k": write_rows(state["k"], k, step.start), "v": write_rows(state["v"], v, step.start)}
-        cache_k, cache_v = state["k"], state["v"]  # [B, S, G, hd]
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, T, hd]
+        state = {"k": write_rows(state["k"], k, step.start, axis=2), "v": write_rows(state["v"], v, step.start, axis=2)}
+        cache_k, cache_v = state["k"], state["v"]  # [B, G, S, hd]
 
         B, T, H, hd = q.shape
         out = blocked_attention(q, cache_k, cache_v, step.positions, step.start + T, self.window).reshape(B, T, H * hd)

@@ -1,0 +1,81 @@
+"""Decode cost against context length: ms per token at 1k, 4k, 16k, 32k tokens held.
+
+A decode step's work depends on how many cached keys it must read, not on their values,
+so each context is set up by giving the step a state of that capacity and a position of
+that length (filling 32k tokens by prefill would take hours on a 2-core CPU); the step
+is the model's real jitted decode step (`Model._steps.decode`), with its real executor.
+One JSON line per context with commit and machine fields: median ms/token over
+`--steps` steps after a compile+warm-up round, the KV bytes read per token and the
+achieved attention read rate.
+
+    python scripts/bench_context.py --model DIR [--contexts 1024 4096 16384 32768] [--policy host]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ftjax  # noqa: E402
+from ftjax.engine.session import MIN_CAPACITY, bucket  # noqa: E402
+from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+
+
+def step_times(model, context: int, steps: int) -> list[float]:
+    cfg = model.config
+    cap = bucket(context + steps + 1, MIN_CAPACITY)
+    state = model.new_state(1, cap)
+    settings = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32))
+    keys, active = jax.random.PRNGKey(0)[None], np.ones(1, bool)
+    token = jnp.zeros((1,), jnp.int32)
+    times = []
+    for i in range(steps + 2):  # the first two compile and warm
+        t0 = time.perf_counter()
+        token, _, state, model._xstate, _ = model._steps.decode(
+            model._params, state, model._xstate, model._pool_dev, token, np.array([context + i], np.int32), active,
+            keys, np.array([i], np.int32), *settings)
+        int(token[0])
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--policy", default="host")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"])
+    a = ap.parse_args(argv)
+    model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
+    cfg = model.config
+    for ctx in a.contexts:
+        if ctx + a.steps + 1 > model.max_seq_len:
+            print(json.dumps({"bench": "decode_context", "context": ctx, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
+            continue
+        ts = step_times(model, ctx, a.steps)
+        ms = statistics.median(ts) * 1e3
+        kv_bytes = 2 * cfg.num_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
+        print(json.dumps({"bench": "decode_context", "model": model.checkpoint.path.name, "policy": a.policy,
+                          "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes, "kv_dtype": a.kv_dtype,
+                          "kv_read_gbps_upper": round(kv_bytes / (ms / 1e3) / 1e9, 2),
+                          "steps": a.steps, "threads": a.threads, **commit_info(), **machine_info(),
+                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
