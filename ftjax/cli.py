@@ -1,9 +1,10 @@
-"""`ftjax` command line: generate | chat | profile | bench.
+"""`ftjax` command line: generate | chat | serve | profile | bench.
 
     ftjax generate [--model DIR] "prompt"     stream a continuation (default: embedded model)
     ftjax generate - < prompt.txt             the prompt from stdin
     ftjax chat [--model DIR] "message"        one chat turn through the chat template
     ftjax chat [--model DIR]                  interactive: one user message per stdin line
+    ftjax serve [--model DIR] [--port 8000]   OpenAI- and Anthropic-compatible HTTP server
     ftjax profile [--json] [--threads N]      measure B_P / B_H, save the profile
     ftjax bench paper --out DIR [--quick]     regenerate the paper's experiments
     ftjax --version
@@ -109,6 +110,8 @@ def check_args(args) -> None:
                 raise UsageError(f"--bandwidth {name} must be positive, got {value:g}")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         raise UsageError(f"--max-seq-len must be positive, got {args.max_seq_len}")
+    if args.command == "serve":
+        return check_serve_args(args)
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     finite("--temperature", args.temperature)
@@ -227,6 +230,43 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def check_serve_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_batch", "prefill_chunk", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not (math.isfinite(args.keepalive_s) and args.keepalive_s > 0):
+        raise UsageError(f"--keepalive-s must be a positive number of seconds, got {args.keepalive_s}")
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    from ftjax.serve import serve
+
+    model, _ = _load(args)
+    model_id = args.served_model_name or (Path(args.model).name if args.model else "ftjax-default")
+    serve(model, args.host, args.port, model_id, args.max_batch, args.prefill_chunk, args.max_body_bytes,
+          args.keepalive_s, args.warmup)
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default None: the folder name, or ftjax-default)")
+    p.add_argument("--max-batch", type=int, default=4, help="requests decoded together in one batched step")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled between two decode steps of the running requests")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--keepalive-s", type=float, default=5.0,
+                   help="seconds between keepalives (SSE comments / Anthropic pings) while a stream waits")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the engine's programs (every batch and capacity bucket) before listening")
+
+
 def cmd_profile(argv: list[str]) -> int:
     from ftjax.experts.profile import main_profile
 
@@ -258,6 +298,12 @@ def parser() -> argparse.ArgumentParser:
     _add_runtime_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    v = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server", formatter_class=_Formatter,
+                       description="Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions, "
+                                   "/v1/models; Anthropic /v1/messages, /v1/messages/count_tokens; /health, /v1/stats.")
+    _add_runtime_args(v)
+    _add_serve_args(v)
+    v.set_defaults(func=cmd_serve)
     sub.add_parser("profile", help="measure B_P and B_H (see `ftjax profile --help`)", add_help=False)
     sub.add_parser("bench", help="benchmarks and the paper's experiments (see `ftjax bench --help`)",
                    add_help=False)
