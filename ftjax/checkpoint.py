@@ -66,6 +66,11 @@ CANONICAL: list[tuple[re.Pattern, tuple]] = [
     (re.compile(_L + r"mlp\.gate\.weight"), ("param", "layers.{layer}.moe.w_router", True)),
     (re.compile(_L + r"mlp\.shared_expert\.(?P<p>gate|up|down)_proj\.weight"), ("param", "layers.{layer}.moe.shared.w_{p}", True)),
     (re.compile(_L + r"mlp\.shared_expert_gate\.weight"), ("param", "layers.{layer}.moe.w_shared_gate", True)),
+    (re.compile(_L + r"linear_attn\.in_proj_(?P<p>qkvz|ba|qkv|z|b|a)\.weight"), ("param", "layers.{layer}.attn.w_{p}", True)),
+    (re.compile(_L + r"linear_attn\.conv1d\.weight"), ("param", "layers.{layer}.attn.conv_w", False)),
+    (re.compile(_L + r"linear_attn\.(?P<p>dt_bias|A_log)"), ("param", "layers.{layer}.attn.{p}", False)),
+    (re.compile(_L + r"linear_attn\.norm\.weight"), ("param", "layers.{layer}.attn.norm_w", False)),
+    (re.compile(_L + r"linear_attn\.out_proj\.weight"), ("param", "layers.{layer}.attn.w_out", True)),
     (re.compile(_L + r"mlp\.experts\.(?P<expert>\d+)\.(?P<p>gate|up|down)_proj\.weight"), ("expert", "{p}")),
     (re.compile(_L + r"mlp\.experts\.gate_up_proj"), ("expert", "gate_up")),
     (re.compile(_L + r"mlp\.experts\.down_proj"), ("expert", "down_fused")),
@@ -79,7 +84,10 @@ def _hf_name_table() -> list[tuple[re.Pattern, str]]:
     for pattern, target in CANONICAL:
         if target[0] != "param":
             continue
-        path_re = re.escape(target[1]).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{p\}", r"(?P<p>\w+)")
+        groups = dict(re.findall(r"\(\?P<(\w+)>([^)]*)\)", pattern.pattern))
+        path_re = re.escape(target[1]).replace(r"\{layer\}", r"(?P<layer>\d+)")
+        if "p" in groups:
+            path_re = path_re.replace(r"\{p\}", f"(?P<p>{groups['p']})")
         hf_template = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", pattern.pattern).replace("\\.", ".")
         table.append((re.compile(path_re), hf_template))
     return table
@@ -276,7 +284,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         raise FileNotFoundError(f"{model_dir}: model folder not found")
     hf = read_config_json(model_dir)
     cfg = model_config(hf, model_dir / "config.json")
-    aliases = family(cfg.model_type).KEY_ALIASES
+    fam = family(cfg.model_type)
+    aliases = fam.KEY_ALIASES
+    ignored = [(p, "") for p in IGNORED] + list(getattr(fam, "IGNORED_KEYS", []))
+    skipped: dict[str, int] = {}  # reason -> tensors skipped for it
 
     refs: dict[str, TensorRef] = {}
     for path in safetensors_files(model_dir):
@@ -312,7 +323,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     for name, ref in sorted(refs.items()):
         hit = hits[name]
         if hit is None:
-            if any(p.fullmatch(canon[name]) for p in IGNORED) or (cfg.tie_embeddings and canon[name] == "lm_head.weight"):
+            reason = next((why for p, why in ignored if p.fullmatch(canon[name])), None)
+            if reason is not None or (cfg.tie_embeddings and canon[name] == "lm_head.weight"):
+                if reason:
+                    skipped[reason] = skipped.get(reason, 0) + 1
                 continue
             raise CheckpointError(f"{ref.file}: unexpected tensor {name} (not part of a {cfg.model_type} model)")
         target, groups = hit
@@ -348,6 +362,8 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:8])}"
                               + (f" ... ({len(missing)} in all)" if len(missing) > 8 else ""))
     _check_experts(model_dir, cfg, expert_seen)
+    for reason, count in skipped.items():
+        print(f"{model_dir.name}: {count} tensors not loaded: {reason}", file=sys.stderr)
 
     # Pass 2: read.
     pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)

@@ -40,6 +40,19 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaNetConfig:
+    """Sizes of the Gated DeltaNet (linear attention) layers of hybrid models
+    (`ftjax.models.deltanet`)."""
+
+    num_k_heads: int  # Hk
+    num_v_heads: int  # Hv (a multiple of Hk)
+    k_head_dim: int  # dk
+    v_head_dim: int  # dv
+    conv_kernel: int  # K
+    fused_qkvz: bool = False  # Qwen3-Next's grouped in_proj_qkvz / in_proj_ba (else Qwen3.5's split projections)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward pass needs to know about a checkpoint's architecture."""
 
@@ -70,6 +83,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layer_kinds: tuple[str, ...] = ()  # per layer: a key of models.layers.LAYER_KINDS; () = all "attention"
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
+    rotary_dim: int = 0  # leading dims of each head RoPE rotates (partial rotary); 0 = head_dim
+    deltanet: DeltaNetConfig | None = None  # linear-attention sizes of gated_deltanet layers
 
     # ---- derived sizes ------------------------------------------------------------
     @property
@@ -80,6 +96,10 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:  # Lm
         return sum(self.moe_layers)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def layer_kind(self, layer: int) -> str:
         """Name of layer `layer`'s token-mixing kind (see `ftjax.models.layers`)."""
@@ -178,4 +198,19 @@ def validate(cfg: ModelConfig) -> ModelConfig:
 
     if cfg.layer_kinds and (len(cfg.layer_kinds) != cfg.num_layers or not set(cfg.layer_kinds) <= set(LAYER_KINDS)):
         bad("layer_kinds", f"must be {cfg.num_layers} names from {sorted(LAYER_KINDS)}")
+    if isinstance(cfg.rotary_dim, bool) or not isinstance(cfg.rotary_dim, int) or not (
+            0 <= cfg.rotary_dim <= cfg.head_dim and cfg.rotary_dim % 2 == 0):
+        bad("rotary_dim", f"(head_dim x partial_rotary_factor) must be an even integer in 0..head_dim ({cfg.head_dim})")
+    dn = cfg.deltanet
+    if "gated_deltanet" in cfg.layer_kinds and dn is None:
+        bad("deltanet", "(linear_* sizes) must be given when a layer is linear_attention")
+    if dn is not None:
+        for field in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_kernel"):
+            value = getattr(dn, field)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+                raise ConfigError(f"config.json: linear attention {field} must be an integer in 1..{MAX_SIZE}, "
+                                  f"got {value!r}")
+        if dn.num_v_heads % dn.num_k_heads:
+            raise ConfigError(f"config.json: linear_num_value_heads {dn.num_v_heads} is not a multiple of "
+                              f"linear_num_key_heads {dn.num_k_heads}")
     return cfg

@@ -45,6 +45,7 @@ from ftjax.experts.storage import as_f32, bf16_bits_to_f32
 
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
+ATTENTION_FFI_TARGET = "ftjax_attention"
 
 
 class Boundary(enum.Enum):
@@ -109,6 +110,7 @@ def dense_threads() -> int:
 def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(FFI_TARGET, _hk.ffi_expert_ffn(), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_FFI_TARGET, _hk.ffi_linear(), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, _hk.ffi_attention(), platform="cpu")
 
 
 @functools.cache
@@ -145,6 +147,50 @@ def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: 
 def reference_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """numpy (float64) reference of `linear`: x [T, K], w [N, K] (float32 or bf16 bits)."""
     return (np.asarray(x, np.float64) @ _weights_f64(w).T).astype(np.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv_len: jax.Array,
+              window: int = 0, isa: Isa = Isa.AUTO) -> jax.Array:
+    """Causal GQA attention of q [B, T, H, hd] over the keys s < kv_len[b] of a head-major
+    cache k, v [B, G, S, hd] (f32 or bf16, read in place) -> [B, T, H, hd] float32, by the
+    C++ kernel through XLA FFI (CPU backend; callable inside `jax.jit`). positions [B, T]."""
+    _register_ffi_targets()
+    call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
+                window=np.int64(window), pool_ptr=np.int64(shared_threads(dense_threads()).address),
+                isa=np.int32(isa.value))
+
+
+def attention_numpy(q, k, v, positions, kv_len, window: int = 0, threads: int | None = None,
+                    isa: Isa = Isa.AUTO) -> np.ndarray:
+    """The same kernel from numpy: k, v float32 or uint16 (bf16 bits)."""
+    out = np.empty(np.shape(q), np.float32)
+    _hk.attention(np.ascontiguousarray(q, np.float32), k, v, np.ascontiguousarray(positions, np.int32),
+                  np.ascontiguousarray(kv_len, np.int32), int(window), out, shared_threads(threads or default_threads()),
+                  isa.value)
+    return out
+
+
+def reference_attention(q, k, v, positions, kv_len, window: int = 0) -> np.ndarray:
+    """numpy (float64) reference of `attention`: q [B, T, H, hd], k / v [B, G, S, hd]."""
+    q, k, v = np.asarray(q, np.float64), _weights_f64(k), _weights_f64(v)
+    B, T, H, hd = q.shape
+    G = k.shape[1]
+    out = np.zeros((B, T, H, hd))
+    for b in range(B):
+        s = np.arange(int(kv_len[b]))
+        for t in range(T):
+            p = positions[b][t]
+            visible = (s <= p) & ((s > p - window) if window else True)
+            if not visible.any():
+                continue
+            for h in range(H):
+                g = h // (H // G)
+                scores = k[b, g, s] @ q[b, t, h] / np.sqrt(hd)
+                scores = np.where(visible, scores, -np.inf)
+                w = np.exp(scores - scores.max())
+                out[b, t, h] = (w / w.sum()) @ v[b, g, s]
+    return out.astype(np.float32)
 
 
 class HostExecutor:

@@ -5,6 +5,7 @@
 #include <new>
 #include <string>
 
+#include "attention.h"
 #include "expert_ffn.h"
 #include "linear.h"
 
@@ -90,6 +91,44 @@ ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuf
   return ffi::Error::Success();
 }
 
+ffi::Error attention_body(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_len,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t pool_ptr, int32_t isa) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("ftjax_attention: k and v must have one dtype");
+  WeightType kv_type;
+  if (k.element_type() == ffi::BF16 || k.element_type() == ffi::U16)
+    kv_type = WeightType::kBF16;
+  else if (k.element_type() == ffi::F32)
+    kv_type = WeightType::kF32;
+  else
+    return ffi::Error::InvalidArgument("ftjax_attention: k, v must be f32 or bf16");
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4)
+    return ffi::Error::InvalidArgument("ftjax_attention: q, out [B, T, H, hd]; k, v [B, G, S, hd]");
+  for (int i = 0; i < 4; ++i)
+    if (kd[i] != vd[i] || od[i] != qd[i])
+      return ffi::Error::InvalidArgument("ftjax_attention: k / v or q / out shapes differ");
+  if (kd[0] != qd[0] || kd[3] != qd[3] || positions.element_count() != qd[0] * qd[1] ||
+      kv_len.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("ftjax_attention: batch, head dim, positions [B, T] or kv_len [B] mismatch");
+  ftjax::AttentionArgs args{q.typed_data(), k.untyped_data(), v.untyped_data(), kv_type,
+                            positions.typed_data(), kv_len.typed_data(),
+                            qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], window, out->typed_data()};
+  std::string err = ftjax::attention(args, reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+                                     static_cast<Isa>(isa));
+  if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_attention: " + err);
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_len,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t pool_ptr,
+                          int32_t isa) noexcept {
+  return guarded("ftjax_attention",
+                 [&] { return attention_body(q, k, v, positions, kv_len, out, window, pool_ptr, isa); });
+}
+
 ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                            ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
@@ -114,6 +153,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxLinear, linear_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::AnyBuffer>()         // w [N, K] u16 | f32
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("pool_ptr")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, attention_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, T, H, hd]
+                                  .Arg<ffi::AnyBuffer>()         // k [B, G, S, hd] f32 | bf16
+                                  .Arg<ffi::AnyBuffer>()         // v [B, G, S, hd]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [B, T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, T, H, hd]
+                                  .Attr<int64_t>("window")
                                   .Attr<int64_t>("pool_ptr")
                                   .Attr<int32_t>("isa"));
 

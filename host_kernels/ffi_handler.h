@@ -19,3 +19,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
 // bits or f32; on the CPU backend a device buffer *is* host memory, read in place).
 // Attributes: pool_ptr, isa as above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxLinear);
+
+// FtjaxAttention: out [B, T, H, hd] f32 = causal (optionally windowed) GQA attention of
+// q [B, T, H, hd] f32 over the keys s < kv_len[b] of k, v [B, G, S, hd] (f32 or bf16),
+// read in place; positions [B, T] s32, kv_len [B] s32. Attributes: window (0 = full),
+// pool_ptr, isa as above.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
 #include "ffi_handler.h"
@@ -89,6 +90,35 @@ void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int i
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
+using F4 = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+using I2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using I1 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Out4 = nb::ndarray<float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+
+// q [B, T, H, hd], k / v [B, G, S, hd] float32 or uint16 (bf16 bits), positions [B, T],
+// kv_len [B] -> out [B, T, H, hd] (written in place).
+void py_attention(const F4& q, const Pool4& k, const Pool4& v, const I2& positions, const I1& kv_len,
+                  int64_t window, const Out4& out, ThreadPool* threads, int isa) {
+  const WeightType kv_type = weight_type_of(k);
+  if (weight_type_of(v) != kv_type) throw std::invalid_argument("k and v must have the same dtype");
+  for (int i = 0; i < 4; ++i) {
+    if (k.shape(i) != v.shape(i)) throw std::invalid_argument("k and v must have the same shape");
+    if (out.shape(i) != q.shape(i)) throw std::invalid_argument("out must have q's shape");
+  }
+  if (k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || positions.shape(0) != q.shape(0) ||
+      positions.shape(1) != q.shape(1) || kv_len.shape(0) != q.shape(0))
+    throw std::invalid_argument("need q [B, T, H, hd], k/v [B, G, S, hd], positions [B, T], kv_len [B]");
+  AttentionArgs a{q.data(), k.data(), v.data(), kv_type, positions.data(), kv_len.data(),
+                  (int64_t)q.shape(0), (int64_t)q.shape(1), (int64_t)q.shape(2), (int64_t)k.shape(1),
+                  (int64_t)k.shape(2), (int64_t)q.shape(3), window, out.data()};
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = attention(a, threads, static_cast<Isa>(isa));
+  }
+  if (!err.empty()) throw std::invalid_argument(err);
+}
+
 std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, int repeats,
                                       int isa) {
   nb::gil_scoped_release release;
@@ -117,6 +147,11 @@ NB_MODULE(_host_kernels, m) {
         "writes y [T, D] in place.");
   m.def("linear", &py_linear, "w"_a.noconvert(), "x"_a, "y"_a.noconvert(), "threads"_a.none(),
         "isa"_a = 0, "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits; writes y in place.");
+  m.def("attention", &py_attention, "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "positions"_a, "kv_len"_a,
+        "window"_a, "out"_a.noconvert(), "threads"_a.none(), "isa"_a = 0,
+        "Causal GQA attention over the keys in use of a head-major KV cache; writes out in place.");
+  m.def("ffi_attention", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxAttention)); },
+        "PyCapsule of the decode-attention XLA FFI handler (CPU platform).");
   m.def("read_bandwidth_gbps", &py_read_bandwidth, "threads"_a.none(),
         "num_bytes"_a = int64_t(256) << 20, "repeats"_a = 5, "isa"_a = 0,
         "GB/s of each timed pass summing a num_bytes buffer.");

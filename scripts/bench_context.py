@@ -9,6 +9,7 @@ One JSON line per context with commit and machine fields: median ms/token over
 achieved attention read rate.
 
     python scripts/bench_context.py --model DIR [--contexts 1024 4096 16384 32768] [--policy host]
+        [--prefill 2048 8192 32768]
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def step_times(model, context: int, steps: int) -> list[float]:
     return times[2:]
 
 
+def prefill_time(model, tokens: int) -> float:
+    """Seconds to prefill a `tokens`-token prompt of random ids in a fresh session (chunks
+    of `model.prefill_chunk`), after one chunk at the same capacity has compiled the step."""
+    ids = np.random.default_rng(tokens).integers(0, model.config.vocab_size, tokens).tolist()
+    warm = model.session()
+    warm.reserve(tokens)
+    warm.append(ids[:min(tokens, model.prefill_chunk)])
+    del warm
+    s = model.session()
+    s.reserve(tokens)
+    t0 = time.perf_counter()
+    s.append(ids)
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -59,7 +75,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla"],
+                    help="auto: the host kernel where `models.layers.attend` picks it; xla: always blocked XLA")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[],
+                    help="also time the prefill of prompts of these lengths (tok/s)")
     a = ap.parse_args(argv)
+    if a.attention == "xla":
+        from ftjax.models import layers
+
+        layers.HOST_KERNEL_MAX_QUERIES = 0
     model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
     cfg = model.config
     for ctx in a.contexts:
@@ -68,12 +92,23 @@ def main(argv=None) -> int:
             continue
         ts = step_times(model, ctx, a.steps)
         ms = statistics.median(ts) * 1e3
-        kv_bytes = 2 * cfg.num_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
+        kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only
+        kv_bytes = 2 * kv_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
         print(json.dumps({"bench": "decode_context", "model": model.checkpoint.path.name, "policy": a.policy,
-                          "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes, "kv_dtype": a.kv_dtype,
+                          "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes,
+                          "kv_dtype": a.kv_dtype, "attention": a.attention,
                           "kv_read_gbps_upper": round(kv_bytes / (ms / 1e3) / 1e9, 2),
                           "steps": a.steps, "threads": a.threads, **commit_info(), **machine_info(),
                           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    for tokens in a.prefill:
+        if tokens > model.max_seq_len:
+            print(json.dumps({"bench": "prefill_context", "tokens": tokens, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
+            continue
+        sec = prefill_time(model, tokens)
+        print(json.dumps({"bench": "prefill_context", "model": model.checkpoint.path.name, "policy": a.policy,
+                          "tokens": tokens, "seconds": round(sec, 2), "tok_per_s": round(tokens / sec, 1),
+                          "prefill_chunk": model.prefill_chunk, "kv_dtype": a.kv_dtype, "threads": a.threads,
+                          **commit_info(), **machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     return 0
 
 

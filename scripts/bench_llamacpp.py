@@ -17,6 +17,8 @@ creates dummy tokens; the benchmark feeds token ids, so no tokenizer is needed.
         --llama-src /tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp --gguf /tmp/ftjax-geom-bf16.gguf
     OPENBLAS_NUM_THREADS=1 nice -n 5 /tmp/llvenv/bin/python scripts/bench_llamacpp.py \\
         --gguf /tmp/ftjax-geom-bf16.gguf --threads 1
+    /tmp/llvenv/bin/python scripts/bench_llamacpp.py --gguf /tmp/olmoe-attn-bf16.gguf \\
+        --contexts 1024 2048 4096 8192 16384 32768 --new 8 --threads 2      # long context
 
 Measurement (same as scripts/bench_decode.py): process pinned to the first N cores,
 n_threads = n_threads_batch = N; prompt of --prompt ids drawn as bench_decode draws them
@@ -58,14 +60,23 @@ def convert(model_dir: str, llama_src: str, out: str) -> None:
     sys.path.insert(0, llama_src)
     sys.path.insert(1, str(Path(llama_src) / "gguf-py"))
     import convert_hf_to_gguf as conv
-    from conversion.qwen import Qwen3MoeModel
+    from conversion.base import TextModel
 
     def set_vocab(self):  # no tokenizer in the folder: llama.cpp's "none" vocabulary
         self._set_vocab_none()
         self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
 
-    Qwen3MoeModel.set_vocab = set_vocab
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    if not (Path(model_dir) / "tokenizer.json").exists():  # every architecture (qwen3moe, olmoe, ...)
+        for cls in [TextModel, *subclasses(TextModel)]:
+            cls.set_vocab = set_vocab
     sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", "bf16", "--outfile", out]
+    if "mtp" not in json.dumps(json.loads((Path(model_dir) / "config.json").read_text())):
+        sys.argv.append("--no-mtp")  # geometry checkpoints carry no multi-token-prediction head
     t0 = time.perf_counter()
     conv.main()
     print(json.dumps({"converted": out, "bytes": os.path.getsize(out), "seconds": round(time.perf_counter() - t0, 1)}))
@@ -119,6 +130,38 @@ def bench(args) -> None:
         "distinct_tokens": len(set(toks)), "first_tokens": toks[:8]}), flush=True)
 
 
+def contexts(args) -> None:
+    """Prefill of a `ctx`-token prompt, then `--new` decode steps at that context, for each
+    of `--contexts` (fresh KV each time): the llama.cpp side of scripts/bench_context.py
+    (ftjax's decode at a context) and of the long-prompt prefill comparison."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    n_ctx = max(args.contexts) + args.new + 64
+    llm = Llama(model_path=args.gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, use_mmap=True, verbose=False)
+    V = llm.n_vocab()
+    rng = np.random.RandomState(0)
+    for ctx in args.contexts:
+        prompt = [int(t) for t in rng.randint(0, V, size=ctx)]
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - t0
+        stamps = [time.perf_counter()]
+        for _ in range(args.new):
+            ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(ptr, shape=(V,))))])
+            stamps.append(time.perf_counter())
+        ms = statistics.median(np.diff(stamps)) * 1e3
+        print(json.dumps({"bench": "context_llamacpp", "gguf": args.gguf, "context": ctx, "threads": threads,
+                          "prefill_s": round(prefill_s, 2), "prefill_tok_per_s": round(ctx / prefill_s, 1),
+                          "ms_per_token": round(ms, 2), "steps": args.new, "n_ctx": n_ctx,
+                          "llama_cpp_python": llama_cpp.__version__, **commit(), "machine": machine(),
+                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convert", default=None, help="HF checkpoint folder to convert to --gguf (bf16)")
@@ -127,8 +170,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--contexts", nargs="+", type=int, default=None,
+                    help="prefill a prompt of each length, then decode --new tokens at that context")
     args = ap.parse_args()
-    convert(args.convert, args.llama_src, args.gguf) if args.convert else bench(args)
+    if args.convert:
+        convert(args.convert, args.llama_src, args.gguf)
+    elif args.contexts:
+        contexts(args)
+    else:
+        bench(args)
 
 
 if __name__ == "__main__":

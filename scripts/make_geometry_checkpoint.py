@@ -1,4 +1,18 @@
-"""A random-weight bf16 Hugging Face `qwen3_moe` checkpoint with Qwen3-30B-A3B shapes.
+"""Random-weight bf16 Hugging Face checkpoints with the shapes of the paper's models.
+
+`--family qwen3_moe` (default): Qwen3-30B-A3B. `--family qwen3_5_moe`: Qwen3.6-35B-A3B
+(= Qwen3.5-35B-A3B shapes: D 2048, E 256, K 8, F 512 + a 512-wide gated shared expert,
+V 248320; three Gated DeltaNet layers (16 key / 32 value heads of 128, conv 4) to one
+gated full-attention layer (16 heads, 2 KV heads of 256, quarter rotary)), in the
+released multimodal layout (`text_config`, tensors under `model.language_model.`) minus
+the vision tower. Zero-centred norms are drawn around 0, A_log = log U(1, 16).
+
+`--family olmoe_attention`: OLMoE-1B-7B's attention (D 2048, 16 heads x 128, no GQA,
+full q/k norms) with tiny experts (8 x 64, top-2), vocab 1024, 2 layers, 40960 positions:
+the long-context benchmarks' model, where attention is nearly all of the work (built with
+transformers' own initialisation, rounded to bf16).
+
+The Qwen3-30B-A3B checkpoint:
 
 Same tensor shapes, names and config as the real model (D 2048, F 768, E 128, K 8,
 H 32, G 4, hd 128, V 151936, untied LM head), but only `--layers` decoder layers
@@ -13,7 +27,7 @@ bf16 tensors under the names `save_pretrained` uses (per-expert
 `mlp.experts.{e}.gate_proj.weight`), one shard per layer plus one for the embedding
 and one for the LM head, with `model.safetensors.index.json`.
 
-    python scripts/make_geometry_checkpoint.py --out /tmp/ftjax-geom [--layers 4]
+    python scripts/make_geometry_checkpoint.py --out /tmp/ftjax-geom [--layers 4] [--family qwen3_5_moe]
 """
 
 from __future__ import annotations
@@ -29,6 +43,9 @@ from safetensors.torch import save_file
 
 D, F, E, K, H, G, HD, V = 2048, 768, 128, 8, 32, 4, 128, 151936
 BASE = 8  # experts per layer drawn from the RNG; the others are rotations of these
+
+# Qwen3.6-35B-A3B (qwen3_5_moe)
+Q35 = dict(E=256, F=512, SHARED=512, H=16, G=2, HD=256, V=248320, HK=16, HV=32, DK=128, DV=128, CONV=4)
 
 
 def hf_config(num_layers: int) -> dict:
@@ -62,6 +79,90 @@ class Rng:
         return torch.from_numpy(bits).view(torch.bfloat16)
 
 
+def hf_config_q35(num_layers: int) -> dict:
+    c = Q35
+    text = {
+        "model_type": "qwen3_5_moe_text", "hidden_size": D, "num_hidden_layers": num_layers,
+        "num_attention_heads": c["H"], "num_key_value_heads": c["G"], "head_dim": c["HD"],
+        "moe_intermediate_size": c["F"], "shared_expert_intermediate_size": c["SHARED"],
+        "num_experts": c["E"], "num_experts_per_tok": K, "vocab_size": c["V"],
+        "linear_num_key_heads": c["HK"], "linear_num_value_heads": c["HV"], "linear_key_head_dim": c["DK"],
+        "linear_value_head_dim": c["DV"], "linear_conv_kernel_dim": c["CONV"],
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        "full_attention_interval": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+        "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": 248046, "dtype": "bfloat16",
+    }
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text, "tie_word_embeddings": False, "dtype": "bfloat16"}
+
+
+def experts(rng: Rng, p: str, n: int, f: int) -> dict[str, torch.Tensor]:
+    """Per-expert tensors of one layer (BASE drawn, the rest rotations of them)."""
+    # Drawing 150M normals per layer is slow on a busy 2-core machine: draw BASE experts
+    # and derive the rest by rotating a base expert's flat weights by a random offset
+    # (distinct values per expert, same distribution, memory-bound).
+    t = {}
+    base = [[rng.bf16(s, 0.02) for s in ((f, D), (f, D), (D, f))] for _ in range(BASE)]
+    for e in range(n):
+        q = f"{p}mlp.experts.{e}."
+        for name, w in zip(("gate_proj", "up_proj", "down_proj"), base[e % BASE]):
+            shift = int(rng.rng.integers(1, w.numel())) if e >= BASE else 0
+            t[q + name + ".weight"] = torch.roll(w.reshape(-1), shift).reshape(w.shape)
+    return t
+
+
+def layer_tensors_q35(rng: Rng, i: int) -> dict[str, torch.Tensor]:
+    c = Q35
+    p = f"model.language_model.layers.{i}."
+    t = {p + "input_layernorm.weight": rng.bf16((D,), 0.1), p + "post_attention_layernorm.weight": rng.bf16((D,), 0.1)}
+    if (i + 1) % 4:  # Gated DeltaNet
+        key, value = c["HK"] * c["DK"], c["HV"] * c["DV"]
+        a = p + "linear_attn."
+        t.update({
+            a + "in_proj_qkv.weight": rng.bf16((2 * key + value, D), 0.02),
+            a + "in_proj_z.weight": rng.bf16((value, D), 0.02),
+            a + "in_proj_b.weight": rng.bf16((c["HV"], D), 0.02),
+            a + "in_proj_a.weight": rng.bf16((c["HV"], D), 0.02),
+            a + "conv1d.weight": rng.bf16((2 * key + value, 1, c["CONV"]), 0.2),
+            a + "dt_bias": rng.bf16((c["HV"],), 0.0, 1.0),
+            a + "A_log": torch.log(torch.from_numpy(rng.rng.uniform(1, 16, c["HV"]).astype(np.float32))).bfloat16(),
+            a + "norm.weight": rng.bf16((c["DV"],), 0.1, 1.0),
+            a + "out_proj.weight": rng.bf16((D, value), 0.02),
+        })
+    else:  # gated full attention
+        a, h, g, hd = p + "self_attn.", c["H"], c["G"], c["HD"]
+        t.update({
+            a + "q_proj.weight": rng.bf16((2 * h * hd, D), 0.02), a + "k_proj.weight": rng.bf16((g * hd, D), 0.02),
+            a + "v_proj.weight": rng.bf16((g * hd, D), 0.02), a + "o_proj.weight": rng.bf16((D, h * hd), 0.02),
+            a + "q_norm.weight": rng.bf16((hd,), 0.1), a + "k_norm.weight": rng.bf16((hd,), 0.1),
+        })
+    m = p + "mlp."
+    t.update({
+        m + "gate.weight": rng.bf16((c["E"], D), 0.05),
+        m + "shared_expert.gate_proj.weight": rng.bf16((c["SHARED"], D), 0.02),
+        m + "shared_expert.up_proj.weight": rng.bf16((c["SHARED"], D), 0.02),
+        m + "shared_expert.down_proj.weight": rng.bf16((D, c["SHARED"]), 0.02),
+        m + "shared_expert_gate.weight": rng.bf16((1, D), 0.02),
+    })
+    t.update(experts(rng, p, c["E"], c["F"]))
+    return t
+
+
+def olmoe_attention(out: Path, num_layers: int, seed: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("olmoe", vocab_size=1024, hidden_size=D, num_hidden_layers=num_layers,
+                               num_attention_heads=16, num_key_value_heads=16, intermediate_size=64, num_experts=8,
+                               num_experts_per_tok=2, max_position_embeddings=40960, eos_token_id=None,
+                               bos_token_id=None, pad_token_id=None)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
+    print(json.dumps({"out": str(out), "family": "olmoe_attention", "layers": num_layers}))
+
+
 def layer_tensors(rng: Rng, i: int) -> dict[str, torch.Tensor]:
     p = f"model.layers.{i}."
     t = {
@@ -75,24 +176,22 @@ def layer_tensors(rng: Rng, i: int) -> dict[str, torch.Tensor]:
         p + "self_attn.k_norm.weight": rng.bf16((HD,), 0.1, 1.0),
         p + "mlp.gate.weight": rng.bf16((E, D), 0.05),
     }
-    # Drawing 150M normals per layer is slow on a busy 2-core machine: draw BASE experts
-    # and derive the rest by rotating a base expert's flat weights by a random offset
-    # (distinct values per expert, same distribution, memory-bound).
-    base = [[rng.bf16(s, 0.02) for s in ((F, D), (F, D), (D, F))] for _ in range(BASE)]
-    for e in range(E):
-        q = f"{p}mlp.experts.{e}."
-        for name, w in zip(("gate_proj", "up_proj", "down_proj"), base[e % BASE]):
-            shift = int(rng.rng.integers(1, w.numel())) if e >= BASE else 0
-            t[q + name + ".weight"] = torch.roll(w.reshape(-1), shift).reshape(w.shape)
+    t.update(experts(rng, p, E, F))
     return t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/ftjax-geom")
-    ap.add_argument("--layers", type=int, default=4, choices=range(4, 9), metavar="4..8")
+    ap.add_argument("--layers", type=int, default=4, choices=range(2, 9), metavar="2..8")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "qwen3_5_moe", "olmoe_attention"])
     args = ap.parse_args()
+    if args.family == "olmoe_attention":
+        return olmoe_attention(Path(args.out), args.layers, args.seed)
+    q35 = args.family == "qwen3_5_moe"
+    prefix = "model.language_model." if q35 else "model."
+    vocab = Q35["V"] if q35 else V
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = Rng(args.seed)
@@ -106,18 +205,20 @@ def main() -> None:
         shards.append((name, {k: v.numel() * 2 for k, v in tensors.items()}))
         print(f"wrote {name} ({sum(shards[-1][1].values()) / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    write(1, {"model.embed_tokens.weight": rng.bf16((V, D), 0.02), "model.norm.weight": rng.bf16((D,), 0.1, 1.0)})
+    write(1, {prefix + "embed_tokens.weight": rng.bf16((vocab, D), 0.02),
+              prefix + "norm.weight": rng.bf16((D,), 0.1, 0.0 if q35 else 1.0)})
     for i in range(args.layers):
-        write(i + 2, layer_tensors(rng, i))
-    write(n, {"lm_head.weight": rng.bf16((V, D), 0.02)})
+        write(i + 2, (layer_tensors_q35 if q35 else layer_tensors)(rng, i))
+    write(n, {"lm_head.weight": rng.bf16((vocab, D), 0.02)})
 
     weight_map = {k: name for name, sizes in shards for k in sizes}
     total = sum(s for _, sizes in shards for s in sizes.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(args.layers), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 151645}))
-    print(json.dumps({"out": str(out), "layers": args.layers, "total_bytes": total, "tensors": len(weight_map),
+    (out / "config.json").write_text(json.dumps((hf_config_q35 if q35 else hf_config)(args.layers), indent=2))
+    eos = 248046 if q35 else 151645
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": eos}))
+    print(json.dumps({"out": str(out), "family": args.family, "layers": args.layers, "total_bytes": total, "tensors": len(weight_map),
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 

@@ -17,6 +17,10 @@ BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_he
             max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
             pad_token_id=None)
 
+HYBRID = dict(num_hidden_layers=4, num_experts=6, moe_intermediate_size=16, num_experts_per_tok=2, head_dim=8,
+              shared_expert_intermediate_size=24, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)
+
 FAMILY_CONFIGS = {
     "qwen3_moe": dict(num_experts=6, moe_intermediate_size=16, num_experts_per_tok=2, head_dim=8,
                       intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1]),
@@ -24,6 +28,9 @@ FAMILY_CONFIGS = {
                       shared_expert_intermediate_size=24, decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, intermediate_size=16, num_experts_per_tok=2),
     "olmoe": dict(num_experts=6, intermediate_size=16, num_experts_per_tok=3, clip_qkv=4.0),
+    # Gated DeltaNet hybrids: layers 0-2 linear attention, layer 3 gated full attention
+    "qwen3_next": dict(HYBRID, intermediate_size=40, mlp_only_layers=[1]),
+    "qwen3_5_moe_text": dict(HYBRID),
 }
 
 
@@ -65,8 +72,9 @@ def hf_logits(model, ids) -> "torch.Tensor":
 
 def hf_greedy(model, ids, n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0, eos_token_id=None)
+        # an explicit mask: without one, generate treats every token equal to pad_token_id as padding
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
 
 

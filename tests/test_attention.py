@@ -78,11 +78,13 @@ def test_prompt_longer_than_the_context_is_a_clear_error(windowed):
         ftjax.load(path, max_seq_len=1000)
 
 
-def test_decode_step_updates_the_state_in_place(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_decode_step_updates_the_state_in_place(tmp_path, kv_dtype):
     """The step donates the state: the old buffers are consumed, and the compiled step
-    needs no second copy of the KV cache as scratch."""
+    needs no second copy of the KV cache as scratch (bf16: nor an f32 widening of it,
+    which XLA's CPU backend inserts around a bf16 dynamic-update-slice)."""
     path = hf_models.save(hf_models.build("qwen3_moe", seed=2, max_position_embeddings=8192), tmp_path)
-    model = ftjax.load(path, policy="host")
+    model = ftjax.load(path, policy="host", kv_dtype=kv_dtype)
     cap = 8192
     state = model.new_state(1, cap)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
@@ -90,6 +92,7 @@ def test_decode_step_updates_the_state_in_place(tmp_path):
             np.ones(1, bool), jax.random.PRNGKey(0)[None], np.zeros(1, np.int32), jnp.zeros(1), jnp.zeros(1, jnp.int32),
             jnp.ones(1))
     compiled = model._steps.decode.lower(*args).compile()
+    assert f"f32[1,{model.config.num_kv_heads},{cap}," not in compiled.as_text() or kv_dtype == "float32"
     mem = compiled.memory_analysis()
     if mem is not None:
         assert mem.temp_size_in_bytes < state_bytes / 2
@@ -115,3 +118,39 @@ def test_bf16_kv_cache(windowed):
         f32.session(s.snapshot())
     with pytest.raises(ValueError, match="kv_dtype"):
         ftjax.load(path, kv_dtype="float16")
+
+
+KERNEL_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
+    (1, 1, 4, 2, 8, 64, [30], 0),
+    (2, 3, 6, 3, 16, 700, [700, 5], 0),  # several chunks, rows of different lengths
+    (1, 1, 32, 4, 128, 2048, [1500], 0),  # Qwen3-30B-A3B head shape
+    (3, 2, 4, 4, 8, 1100, [1100, 600, 3], 100),  # window across chunks
+    (2, 1, 2, 2, 8, 32, [0, 7], 0),  # a row with no key in use: zeros
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,hd,S,kv_len,window", KERNEL_CASES)
+def test_host_attention_kernel_equals_its_reference(B, T, H, G, hd, S, kv_len, window):
+    """The C++ decode-attention kernel (every ISA, f32 and bf16 caches, numpy entry and
+    the FFI path inside jit) against the float64 numpy reference."""
+    from ftjax import host
+    from ftjax.experts.storage import to_bf16_bits
+
+    rng = np.random.default_rng(3)
+    q = 3 * rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((B, G, S, hd)).astype(np.float32) for _ in range(2))
+    kv_len = np.array(kv_len, np.int32)
+    positions = np.maximum(kv_len[:, None] - T + np.arange(T)[None], 0).astype(np.int32)
+    for kk, vv, dtype in ((k, v, jnp.float32), (to_bf16_bits(k), to_bf16_bits(v), jnp.bfloat16)):
+        ref = host.reference_attention(q, kk, vv, positions, kv_len, window)
+        if (kv_len == 0).any():
+            assert not ref[kv_len == 0].any()
+        tol = 1e-5 * max(1.0, np.abs(ref).max())
+        for isa in host.available_isas():
+            np.testing.assert_allclose(host.attention_numpy(q, kk, vv, positions, kv_len, window, isa=isa), ref,
+                                       atol=tol, rtol=0)
+        dev = lambda a: jnp.asarray(a.view(jnp.bfloat16) if a.dtype == np.uint16 else a, dtype)  # noqa: E731
+        out = jax.jit(lambda *a: host.attention(*a, window=window))(q, dev(kk), dev(vv), positions, kv_len)
+        np.testing.assert_allclose(np.asarray(out), ref, atol=tol, rtol=0)
+    with pytest.raises(ValueError, match="kv_len"):
+        host.attention_numpy(q, k, v, positions, np.full(B, S + 1, np.int32))

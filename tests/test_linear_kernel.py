@@ -78,6 +78,19 @@ def test_model_linear_dispatches_on_storage():
     assert_close(packed, plain)
 
 
+def test_packed_linear_uses_gemm_for_many_rows():
+    """Packed weights: below PACKED_GEMM_MIN_TOKENS rows the host kernel (FFI target in
+    the program), from it XLA's dot on the widened matrix; both equal the reference."""
+    from ftjax.models.ops import PACKED_GEMM_MIN_TOKENS
+
+    rng = np.random.default_rng(4)
+    for rows, kernel in ((PACKED_GEMM_MIN_TOKENS - 1, True), (PACKED_GEMM_MIN_TOKENS, False)):
+        x, w_bits = make(rng, 24, 40, rows, "bfloat16")
+        fn = jax.jit(model_linear)
+        assert_close(np.asarray(fn(jnp.asarray(x), jnp.asarray(w_bits))), reference_linear(x, w_bits))
+        assert (host.LINEAR_FFI_TARGET in fn.lower(jnp.asarray(x), jnp.asarray(w_bits)).as_text()) == kernel
+
+
 def test_bad_arguments_raise():
     rng = np.random.default_rng(4)
     x, w = make(rng, 8, 6, 2, "float32")

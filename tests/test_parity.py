@@ -35,7 +35,7 @@ def test_family_matches_transformers(family, tmp_path):
     check_model(hf, hf_models.save(hf, tmp_path))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe_text"])
 def test_fused_expert_layout(family, tmp_path):
     hf = hf_models.build(family, seed=1)
     check_model(hf, hf_models.save(hf, tmp_path, fused=True), greedy=False)
@@ -66,6 +66,11 @@ def test_bf16_checkpoint(tmp_path):
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2, num_hidden_layers=4,
                        mlp_only_layers=[3], shared_expert_intermediate_size=0)),
     ("qwen3_moe", dict(mlp_only_layers=[0, 1, 2])),  # no MoE layer at all: an empty expert pool
+    # hybrids: tied head, other layer patterns, half-rotary heads, one value head per key head, K = 3
+    ("qwen3_next", dict(tie_word_embeddings=True, partial_rotary_factor=0.5, linear_num_value_heads=2,
+                        layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"])),
+    ("qwen3_5_moe_text", dict(tie_word_embeddings=True, linear_conv_kernel_dim=3, num_key_value_heads=4,
+                              linear_key_head_dim=4, linear_value_head_dim=8, partial_rotary_factor=1.0)),
 ])
 def test_other_geometries(family, overrides, tmp_path):
     hf = hf_models.build(family, seed=4, **overrides)

@@ -110,6 +110,91 @@ MISTRAL_LIKE = (
 )
 
 
+# The shape of Qwen3.5 / Qwen3.6's template (the paper's model family): tools listed as XML
+# <function> blocks with their parameters, tool calls written as <function=...><parameter=...>
+# inside <tool_call>, tool results folded into one user turn of <tool_response> blocks,
+# reasoning kept only for turns after the last real user query, and a thinking switch.
+QWEN35_LIKE = r"""{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- if messages[0].role == 'system' %}
+    {%- set system_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if tools is iterable and tools | length > 0 %}
+    {{- '<|im_start|>system\n' }}
+    {%- if system_message is defined %}{{- system_message + '\n\n' }}{%- endif %}
+    {{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {%- if tool.function is defined %}{%- set tool = tool.function %}{%- endif %}
+        {{- '\n<function>\n<name>' ~ tool.name ~ '</name>' }}
+        {%- if tool.description is defined %}{{- '\n<description>' ~ (tool.description | trim) ~ '</description>' }}{%- endif %}
+        {{- '\n<parameters>' }}
+        {%- if tool.parameters is defined and tool.parameters is mapping and tool.parameters.properties is defined %}
+            {%- for param_name, param_fields in tool.parameters.properties | items %}
+                {{- '\n<parameter>\n<name>' ~ param_name ~ '</name>' }}
+                {%- if param_fields.type is defined %}{{- '\n<type>' ~ (param_fields.type | string) ~ '</type>' }}{%- endif %}
+                {{- '\n</parameter>' }}
+            {%- endfor %}
+        {%- endif %}
+        {%- if tool.parameters is defined and tool.parameters.required is defined %}{{- '\n<required>' ~ (tool.parameters.required | tojson) ~ '</required>' }}{%- endif %}
+        {{- '\n</parameters>\n</function>' }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nTo call a function, reply in this format:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n" }}
+{%- elif system_message is defined %}
+    {{- '<|im_start|>system\n' + system_message + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- set loop_index = loop.index0 + (1 if system_message is defined else 0) %}
+        {%- if loop_index > ns.last_query_index and reasoning_content %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls | default([]) %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- ('\n\n' if loop.first and content | trim else ('' if loop.first else '\n')) + '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+            {%- if tool_call.arguments is mapping %}
+                {%- for args_name, args_value in tool_call.arguments | items %}
+                    {%- set args_value = args_value | tojson if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                    {{- '<parameter=' + args_name + '>\n' + args_value + '\n</parameter>\n' }}
+                {%- endfor %}
+            {%- endif %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or loop.previtem.role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != "tool" %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- else %}
+        {{- raise_exception('unexpected role ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}
+{%- endif %}"""
+
+
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer.from_dir(DEFAULT_MODEL)
@@ -227,15 +312,21 @@ def test_default_template_is_append_only(tok):
         assert tok.apply_chat_template(chat, False, TOOLS).startswith(tok.apply_chat_template(chat[:k], False, TOOLS))
 
 
-@pytest.mark.parametrize("template", [QWEN_LIKE, MISTRAL_LIKE], ids=["qwen_like", "mistral_like"])
+@pytest.mark.parametrize("template", [QWEN_LIKE, MISTRAL_LIKE, QWEN35_LIKE], ids=["qwen_like", "mistral_like", "qwen35_like"])
 def test_other_templates_match_transformers(tmp_path, template):
     transformers = pytest.importorskip("transformers")
     d = _model_dir(tmp_path, template, bos_token="<|endoftext|>")
     ours = Tokenizer.from_dir(d)
     theirs = transformers.AutoTokenizer.from_pretrained(str(d))
     cases = [(CHATS["user"], None, {}), (CHATS["system"], None, {"extra": "!"})]
-    if template is QWEN_LIKE:
+    if template is not MISTRAL_LIKE:
         cases += [(CHATS["agent"], TOOLS, {}), (CHATS["user"], None, {"enable_thinking": False})]
+    if template is QWEN35_LIKE:  # reasoning inline in content, a tool result ending the chat, parallel calls
+        inline = [*CHATS["agent"][:2], {"role": "assistant", "content": "<think>\nLook it up.\n</think>\n\nOne moment.",
+                  "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                                 {"function": {"name": "get_weather", "arguments": {"city": ["Lyon", "Nice"]}}}]},
+                  {"role": "tool", "content": "21"}, {"role": "tool", "content": "25"}]
+        cases += [(inline, TOOLS, {})]
     for messages, tools, kwargs in cases:
         for gen in (True, False):
             want = theirs.apply_chat_template(

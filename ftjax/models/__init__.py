@@ -7,13 +7,17 @@ from __future__ import annotations
 from types import ModuleType
 
 from ftjax.config import ConfigError, ModelConfig
-from ftjax.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from ftjax.models import deltanet  # noqa: F401  (registers the gated_deltanet layer kind)
+from ftjax.models import mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
 FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
     "olmoe": olmoe,
+    "qwen3_next": qwen3_next,
+    "qwen3_5_moe": qwen3_5_moe,  # the multimodal checkpoint: its text model is loaded
+    "qwen3_5_moe_text": qwen3_5_moe,
 }
 
 

@@ -89,9 +89,9 @@ class MoEBlock(nnx.Module):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
         self.layer, self.is_moe = layer, cfg.moe_layers[layer]
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         self.attn = kind_class(cfg.layer_kind(layer))(cfg, layer, dtype, packed)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         if self.is_moe:
             self.moe = MoEBlock(cfg, cfg.moe_index(layer), dtype, packed)
         else:
@@ -118,7 +118,7 @@ class CausalLM(nnx.Module):
         self.cfg = cfg
         self.embed = param((cfg.vocab_size, cfg.d_model), jnp.uint16 if packed else dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, packed) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = linear_param(cfg.d_model, cfg.vocab_size, dtype, packed)
 
@@ -144,7 +144,7 @@ class CausalLM(nnx.Module):
         B, T = valid.shape
         start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        return Step(positions, start, valid, rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta))
+        return Step(positions, start, valid, rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         rows = self.embed[...][tokens]  # [B, T, D]

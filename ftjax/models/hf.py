@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftjax.config import ConfigError, ModelConfig, eos_ids, hf_get, rope_theta, validate
+from ftjax.config import ConfigError, DeltaNetConfig, ModelConfig, eos_ids, hf_get, rope_theta, validate
 
 
 def sparse_layers(hf: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -67,3 +67,59 @@ def check(cfg: ModelConfig) -> ModelConfig:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
     return validate(cfg)
+
+
+HYBRID_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
+
+
+def hybrid_fields(hf: dict[str, Any], num_layers: int, head_dim: int, fused_qkvz: bool) -> dict[str, Any]:
+    """The fields of Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6): per-layer kinds from
+    `layer_types` (or every `full_attention_interval`-th layer full), zero-centred norms,
+    partial rotary, and the linear-attention sizes."""
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ConfigError(f"layer_types must list {num_layers} layer types, got {types!r}")
+    unknown = sorted({str(t) for t in types} - set(HYBRID_KINDS))
+    if unknown:
+        raise ConfigError(f"layer_types {unknown} are not supported (known: {', '.join(HYBRID_KINDS)})")
+    params = hf.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    if not 0.0 < factor <= 1.0:
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return dict(
+        layer_kinds=tuple(HYBRID_KINDS[t] for t in types),
+        norm_offset=1.0,
+        rotary_dim=int(head_dim * factor),
+        deltanet=DeltaNetConfig(
+            num_k_heads=int(hf["linear_num_key_heads"]),
+            num_v_heads=int(hf["linear_num_value_heads"]),
+            k_head_dim=int(hf["linear_key_head_dim"]),
+            v_head_dim=int(hf["linear_value_head_dim"]),
+            conv_kernel=int(hf.get("linear_conv_kernel_dim") or 4),
+            fused_qkvz=fused_qkvz,
+        ),
+    )
+
+
+def hybrid_config(hf: dict[str, Any], fused_qkvz: bool) -> ModelConfig:
+    """ModelConfig of a Qwen3-Next / Qwen3.5-MoE text model: gated attention every few
+    layers, Gated DeltaNet elsewhere, routed experts plus a sigmoid-gated shared expert."""
+    f = base_fields(hf)
+    bias = bool(hf.get("attention_bias", False))
+    return check(ModelConfig(
+        **f,
+        d_ff=int(hf.get("intermediate_size") or 0),
+        d_ff_expert=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_layers=sparse_layers(hf, f["num_layers"], f["num_experts"]),
+        sliding_windows=(0,) * f["num_layers"],
+        qk_norm="head",
+        qkv_bias=bias,
+        o_bias=bias,
+        shared_expert_d_ff=int(hf.get("shared_expert_intermediate_size") or 0),
+        shared_expert_gate=True,
+        **hybrid_fields(hf, f["num_layers"], f["head_dim"], fused_qkvz),
+    ))

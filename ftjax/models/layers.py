@@ -13,10 +13,15 @@ kind's state without knowing what is inside. Full attention's state is its KV ca
 a recurrent kind (Gated DeltaNet) or a latent cache (MLA) registers the same way.
 
 Kinds
-    attention   GQA attention over a preallocated KV cache {"k", "v"}: [B, G, S, hd],
+    attention   GQA attention over a preallocated KV cache {"k", "v"}: [B, G, S, hd]
+                (`attend`: a C++ host kernel for decode on the CPU backend, else blocked XLA),
                 written at each row's own `start` and read with a position mask (optional
                 sliding window from the config), so prefill, decode and batched decode of
                 sessions at different positions are one code path.
+    gated_attention  the same, with a sigmoid output gate from a double-width q_proj
+                (Qwen3-Next, Qwen3.5).
+    gated_deltanet   linear attention with a fixed-size recurrent state
+                (`ftjax.models.deltanet`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ftjax import host
 from ftjax.config import ModelConfig
 from ftjax.models.ops import RMSNorm, Step, apply_rope, linear, linear_param, param
 
@@ -115,6 +121,21 @@ def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posi
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
+HOST_KERNEL_MAX_QUERIES = 3  # query heads per KV head up to which the host kernel wins (measured)
+
+
+def attend(q, cache_k, cache_v, positions, kv_len, window: int = 0) -> jax.Array:
+    """Attention for a layer call: on the CPU backend, for decode (T = 1) when each KV head
+    serves at most 3 query heads (e.g. OLMoE's 16/16), the C++ kernel through the
+    host boundary (`ftjax.host.attention`: reads the keys in use at memory speed, 16-21
+    GB/s here vs 7-12 for the XLA form at 4k-32k keys); otherwise `blocked_attention`
+    (XLA, any backend; faster on this CPU once a KV head has 4+ queries to amortise)."""
+    B, T, H, hd = q.shape
+    if jax.default_backend() == "cpu" and T == 1 and H // cache_k.shape[1] <= HOST_KERNEL_MAX_QUERIES:
+        return host.attention(q, cache_k, cache_v, positions, kv_len, window)
+    return blocked_attention(q, cache_k, cache_v, positions, kv_len, window)
+
+
 def reference_attention(q, cache_k, cache_v, positions, window: int = 0) -> jax.Array:
     """The direct form (test oracle): one [B, H, T, S] score matrix over the whole cache.
     Caches [B, G, S, hd] as in `blocked_attention`."""
@@ -131,6 +152,10 @@ def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 1
     """cache [B, ..., S (axis), ...] with new [B, ..., T, ...] written at row b from start[b]
     (in place when the cache is donated). One row: a dynamic_update_slice; several: the
     same, vmapped."""
+    if cache.dtype == jnp.bfloat16:  # write the bits: XLA's CPU backend would widen the whole
+        # bf16 cache to f32 and back around a bf16 dynamic-update-slice, every step
+        bits = lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)  # noqa: E731
+        return jax.lax.bitcast_convert_type(write_rows(bits(cache), bits(new), start, axis), jnp.bfloat16)
     new = new.astype(cache.dtype)
     if cache.shape[0] == 1:
         return jax.lax.dynamic_update_slice_in_dim(cache, new, start[0], axis=axis)
@@ -161,10 +186,11 @@ class Attention(nnx.Module):
             self.bq, self.bk, self.bv = param((H * hd,), dtype), param((G * hd,), dtype), param((G * hd,), dtype)
         if cfg.o_bias:
             self.bo = param((D,), dtype)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
         if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype), RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.q_norm, self.k_norm = RMSNorm(hd, eps, dtype, offset), RMSNorm(hd, eps, dtype, offset)
         elif cfg.qk_norm == "full":
-            self.q_norm, self.k_norm = RMSNorm(H * hd, cfg.rms_norm_eps, dtype), RMSNorm(G * hd, cfg.rms_norm_eps, dtype)
+            self.q_norm, self.k_norm = RMSNorm(H * hd, eps, dtype, offset), RMSNorm(G * hd, eps, dtype, offset)
 
     # ---- state ------------------------------------------------------------------------
     @staticmethod
@@ -177,11 +203,17 @@ class Attention(nnx.Module):
         return {name: resize_axis(a, max_len, axis=2) for name, a in state.items()}
 
     # ---- forward ------------------------------------------------------------------------
-    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """x [B, T, D] -> q [B, T, H*hd] (bias added), output gate (None: ungated)."""
+        q = linear(x, self.wq[...])
+        return (q + self.bq[...] if self.cfg.qkv_bias else q), None
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         cfg = self.cfg
-        q, k, v = linear(x, self.wq[...]), linear(x, self.wk[...]), linear(x, self.wv[...])  # [B, T, H*hd], [B, T, G*hd] x2
+        q, gate = self._query(x)
+        k, v = linear(x, self.wk[...]), linear(x, self.wv[...])  # [B, T, G*hd] x2
         if cfg.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+            k, v = k + self.bk[...], v + self.bv[...]
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
@@ -193,12 +225,12 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return q, k, v, gate
 
     def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
         """x [B, T, D] -> out [B, T, D], state with this call's keys/values written."""
         cfg = self.cfg
-        q, k, v = self._project(x)
+        q, k, v, gate = self._project(x)
         cos, sin = step.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, T, hd]
@@ -206,8 +238,33 @@ class Attention(nnx.Module):
         cache_k, cache_v = state["k"], state["v"]  # [B, G, S, hd]
 
         B, T, H, hd = q.shape
-        out = blocked_attention(q, cache_k, cache_v, step.positions, step.start + T, self.window).reshape(B, T, H * hd)
+        out = attend(q, cache_k, cache_v, step.positions, step.start + T, self.window).reshape(B, T, H * hd)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
         out = linear(out.astype(x.dtype), self.wo[...])
         if cfg.o_bias:
             out = out + self.bo[...]
         return out, state
+
+
+@layer_kind("gated_attention")
+class GatedAttention(Attention):
+    """Attention with a per-channel output gate (Qwen3-Next, Qwen3.5): q_proj is twice as
+    wide, each head's rows [query (hd) | gate (hd)]; the attention output is multiplied by
+    sigmoid(gate) before o_proj. State and everything else as `attention`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
+        super().__init__(cfg, layer, dtype, packed)
+        H, hd = cfg.num_heads, cfg.head_dim
+        self.wq = linear_param(cfg.d_model, 2 * H * hd, dtype, packed)
+        if cfg.qkv_bias:
+            self.bq = param((2 * H * hd,), dtype)
+
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        q = linear(x, self.wq[...])  # [B, T, H*2hd]
+        if self.cfg.qkv_bias:
+            q = q + self.bq[...]
+        B, T, _ = x.shape
+        H, hd = self.cfg.num_heads, self.cfg.head_dim
+        q = q.reshape(B, T, H, 2 * hd)
+        return q[..., :hd].reshape(B, T, H * hd), q[..., hd:].reshape(B, T, H * hd)

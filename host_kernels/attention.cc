@@ -1,0 +1,190 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "blocks.h"
+
+namespace ftjax {
+namespace {
+
+constexpr int64_t kChunk = 512;  // keys per task
+constexpr int kLanes = 16;       // independent partial sums: vectorisable without fast-math
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Partial {  // one task's result for its Q = r*T queries
+  float* m;       // [Q] max score (-inf: no visible key)
+  float* l;       // [Q] sum of exp(score - m)
+  float* acc;     // [Q, hd] sum of exp(score - m) * v
+};
+
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+__attribute__((always_inline)) inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = n ln2 + f with n an
+// integer and |f| <= ln2 / 2 (ln2 split in two constants so the reduction is exact
+// enough), e^f by its degree-7 Taylor polynomial (truncation below 1e-8), 2^n by
+// building the exponent bits. Below -87 the result is 0.
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  const float t = x * 1.44269504f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite: ln2 in two parts
+  const float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+  const int32_t e = static_cast<int32_t>(std::max(n, -126.f)) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// One key or value row as f32: a pointer into the cache (f32) or widened into `buf` (bf16).
+__attribute__((always_inline)) inline const float* row_f32(const void* base, WeightType type, int64_t row,
+                                                           int64_t hd, float* buf) {
+  if (type == WeightType::kF32) return static_cast<const float*>(base) + row * hd;
+  const uint16_t* bits = static_cast<const uint16_t*>(base) + row * hd;
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+  for (int64_t i = 0; i < hd; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+  return buf;
+}
+
+// Task (b, g, chunk c): scores, softmax within the chunk, weighted values.
+__attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
+                                                      const Partial& p) {
+  const int64_t r = a.H / a.G, T = a.T, Q = r * T, hd = a.hd;
+  const int64_t s0 = c * kChunk, s1 = std::min<int64_t>((c + 1) * kChunk, a.kv_len[b]);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> qs(Q * hd), scores(Q * kChunk), buf(hd);
+  std::vector<int32_t> qpos(Q);
+  for (int64_t j = 0; j < r; ++j)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = a.q + ((b * T + t) * a.H + g * r + j) * hd;
+      for (int64_t i = 0; i < hd; ++i) qs[(j * T + t) * hd + i] = src[i] * scale;
+      qpos[j * T + t] = a.positions[b * T + t];
+    }
+  for (int64_t q = 0; q < Q; ++q) {
+    p.m[q] = kNegInf;
+    p.l[q] = 0.f;
+    std::fill(p.acc + q * hd, p.acc + (q + 1) * hd, 0.f);
+  }
+  if (s1 <= s0) return;
+  const int64_t head = b * a.G + g;  // rows of this (b, g): head * S + s
+  for (int64_t s = s0; s < s1; ++s) {  // pass 1: every key row read once
+    const float* k = row_f32(a.k, a.kv_type, head * a.S + s, hd, buf.data());
+    for (int64_t q = 0; q < Q; ++q) {
+      const bool visible = s <= qpos[q] && (a.window == 0 || s > qpos[q] - a.window);
+      scores[q * kChunk + (s - s0)] = visible ? dot(qs.data() + q * hd, k, hd) : kNegInf;
+    }
+  }
+  for (int64_t q = 0; q < Q; ++q) {
+    float* sc = scores.data() + q * kChunk;
+    float m = kNegInf;
+    for (int64_t i = 0; i < s1 - s0; ++i) m = std::max(m, sc[i]);
+    float l = 0.f;
+    if (m != kNegInf) {
+      for (int64_t i = 0; i < s1 - s0; ++i) sc[i] = sc[i] == kNegInf ? 0.f : exp_nonpositive(sc[i] - m);
+      for (int64_t i = 0; i < s1 - s0; ++i) l += sc[i];
+    } else {
+      std::fill(sc, sc + (s1 - s0), 0.f);
+    }
+    p.m[q] = m;
+    p.l[q] = l;
+  }
+  for (int64_t s = s0; s < s1; ++s) {  // pass 2: every value row read once
+    const float* v = row_f32(a.v, a.kv_type, head * a.S + s, hd, buf.data());
+    for (int64_t q = 0; q < Q; ++q) {
+      const float w = scores[q * kChunk + (s - s0)];
+      if (w != 0.f) axpy(w, v, p.acc + q * hd, hd);
+    }
+  }
+}
+
+using TaskFn = void (*)(const AttentionArgs&, int64_t, int64_t, int64_t, const Partial&);
+
+void task_scalar(const AttentionArgs& a, int64_t b, int64_t g, int64_t c, const Partial& p) {
+  chunk_task(a, b, g, c, p);
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) void task_avx2(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
+                                                     const Partial& p) {
+  chunk_task(a, b, g, c, p);
+}
+__attribute__((target("avx512f,fma"))) void task_avx512(const AttentionArgs& a, int64_t b, int64_t g,
+                                                          int64_t c, const Partial& p) {
+  chunk_task(a, b, g, c, p);
+}
+#endif
+
+TaskFn select_task(Isa isa) {
+#if defined(__x86_64__)
+  const bool avx512 = cpu_has_avx512(), avx2 = cpu_has_avx2_fma();
+  switch (isa) {
+    case Isa::kAuto: return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
+    case Isa::kAvx512: return avx512 ? &task_avx512 : nullptr;
+    case Isa::kAvx2: return avx2 ? &task_avx2 : nullptr;
+    default: return &task_scalar;
+  }
+#else
+  return isa == Isa::kAuto || isa == Isa::kScalar ? &task_scalar : nullptr;
+#endif
+}
+
+}  // namespace
+
+std::string attention(const AttentionArgs& a, ThreadPool* threads, Isa isa) {
+  if (a.G <= 0 || a.H % a.G != 0) return "H must be a multiple of G";
+  if (a.B < 0 || a.T <= 0 || a.S < 0 || a.hd <= 0 || a.window < 0) return "bad shape";
+  const TaskFn task = select_task(isa);
+  if (task == nullptr) return "requested ISA is not available on this CPU";
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    if (a.kv_len[b] < 0 || a.kv_len[b] > a.S) return "kv_len must be in 0..S";
+    max_len = std::max<int64_t>(max_len, a.kv_len[b]);
+  }
+  const int64_t r = a.H / a.G, Q = r * a.T, hd = a.hd;
+  const int64_t chunks = std::max<int64_t>(1, ceil_div(max_len, kChunk));
+  const int64_t tasks = a.B * a.G * chunks;
+  std::vector<float> m(tasks * Q), l(tasks * Q), acc(tasks * Q * hd);
+  parallel_for(threads, tasks, [&](int64_t i) {
+    const int64_t c = i % chunks, bg = i / chunks;
+    task(a, bg / a.G, bg % a.G, c, Partial{m.data() + i * Q, l.data() + i * Q, acc.data() + i * Q * hd});
+  });
+  // merge the chunks of each (b, g) with their maxima
+  for (int64_t bg = 0; bg < a.B * a.G; ++bg) {
+    const int64_t b = bg / a.G, g = bg % a.G;
+    for (int64_t q = 0; q < Q; ++q) {
+      float mmax = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) mmax = std::max(mmax, m[(bg * chunks + c) * Q + q]);
+      const int64_t j = q / a.T, t = q % a.T;
+      float* out = a.out + ((b * a.T + t) * a.H + g * r + j) * hd;
+      std::fill(out, out + hd, 0.f);
+      if (mmax == kNegInf) continue;  // no visible key (a padding row): zeros
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k = (bg * chunks + c) * Q + q;
+        if (m[k] == kNegInf) continue;
+        const float w = std::exp(m[k] - mmax);
+        total += w * l[k];
+        axpy(w, acc.data() + k * hd, out, hd);
+      }
+      for (int64_t i = 0; i < hd; ++i) out[i] /= total;
+    }
+  }
+  return "";
+}
+
+}  // namespace ftjax
