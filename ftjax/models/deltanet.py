@@ -19,9 +19,9 @@ Two forms of the same recurrence:
 - `recurrent_delta_rule` — one step per token (`lax.scan`): the decode path (T = 1) and
   the test oracle.
 - `chunked_delta_rule` — chunks of `CHUNK` tokens (the WY/UT form used by
-  flash-linear-attention): inside a chunk everything is [C, C] matrix products and one
-  unit-triangular inverse; only the chunk-to-chunk state hand-off is sequential, so prefill
-  costs O(T·C) and is linear in T.
+  flash-linear-attention): inside a chunk everything is [c, c] matrix products (c = CHUNK)
+  and one unit-triangular inverse; only the chunk-to-chunk state hand-off is sequential,
+  so prefill costs O(T·c) and is linear in T.
 
 Padding and idle rows: tokens with `valid = False` get β = 0 and g = 0, which leaves S
 untouched, and the conv state is taken after each row's last valid token. Valid tokens
