@@ -32,6 +32,45 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return s;
 }
 
+constexpr int kKeys = 8;  // key rows scored together in pass 1
+
+// Element i of a cache row as f32: f32 as is, bf16 bits widened in registers (no copy).
+__attribute__((always_inline)) inline float elem(const float* row, int64_t i) { return row[i]; }
+__attribute__((always_inline)) inline float elem(const uint16_t* row, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// q . k[j] for kKeys rows at once (n a multiple of kLanes): kKeys independent accumulator
+// vectors keep the FMA units busy instead of one dependent chain, and each row's lanes are
+// summed by a tree (log2 kLanes vector adds) instead of kLanes dependent scalar adds.
+template <typename Elem>
+__attribute__((always_inline)) inline void dot_keys(const float* q, const Elem* const* k, int64_t n, float* out) {
+  float acc[kKeys][kLanes] = {};
+  for (int64_t i = 0; i < n; i += kLanes)
+    for (int j = 0; j < kKeys; ++j)
+      for (int l = 0; l < kLanes; ++l) acc[j][l] += q[i + l] * elem(k[j], i + l);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < kKeys; ++j)
+      for (int l = 0; l < w; ++l) acc[j][l] += acc[j][l + w];
+  for (int j = 0; j < kKeys; ++j) out[j] = acc[j][0];
+}
+
+// y += sum_j w[j] v[j] over kKeys rows (n a multiple of kLanes), y loaded and stored once.
+template <typename Elem>
+__attribute__((always_inline)) inline void axpy_keys(const float* w, const Elem* const* v, float* __restrict y,
+                                                     int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    float t[kLanes];
+    for (int l = 0; l < kLanes; ++l) t[l] = y[i + l];
+    for (int j = 0; j < kKeys; ++j)
+      for (int l = 0; l < kLanes; ++l) t[l] += w[j] * elem(v[j], i + l);
+    for (int l = 0; l < kLanes; ++l) y[i + l] = t[l];
+  }
+}
+
 __attribute__((always_inline)) inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
@@ -62,6 +101,45 @@ __attribute__((always_inline)) inline const float* row_f32(const void* base, Wei
   return buf;
 }
 
+// Pass 1 over whole groups of kKeys rows of one head's keys (rows from `keys`, this
+// head's [S, hd] matrix): scores[q, s - s0]; returns the first row not scored.
+template <typename Elem>
+__attribute__((always_inline)) inline int64_t score_groups(const Elem* keys, const float* qs, const int32_t* qpos,
+                                                           const AttentionArgs& a, int64_t s0, int64_t s1,
+                                                           float* scores) {
+  const int64_t Q = (a.H / a.G) * a.T, hd = a.hd;
+  int64_t s = s0;
+  for (; s + kKeys <= s1; s += kKeys) {
+    const Elem* k[kKeys];
+    for (int j = 0; j < kKeys; ++j) k[j] = keys + (s + j) * hd;
+    for (int64_t q = 0; q < Q; ++q) {
+      float dots[kKeys];
+      dot_keys(qs + q * hd, k, hd, dots);
+      for (int j = 0; j < kKeys; ++j) {
+        const int64_t key = s + j;
+        const bool visible = key <= qpos[q] && (a.window == 0 || key > qpos[q] - a.window);
+        scores[q * kChunk + (key - s0)] = visible ? dots[j] : kNegInf;
+      }
+    }
+  }
+  return s;
+}
+
+// Pass 2 over whole groups of kKeys value rows: acc[q] += sum_s w[q, s] v[s]; returns the
+// first row not added.
+template <typename Elem>
+__attribute__((always_inline)) inline int64_t value_groups(const Elem* values, const float* weights,
+                                                           const AttentionArgs& a, int64_t s0, int64_t s1, float* acc) {
+  const int64_t Q = (a.H / a.G) * a.T, hd = a.hd;
+  int64_t s = s0;
+  for (; s + kKeys <= s1; s += kKeys) {
+    const Elem* v[kKeys];
+    for (int j = 0; j < kKeys; ++j) v[j] = values + (s + j) * hd;
+    for (int64_t q = 0; q < Q; ++q) axpy_keys(weights + q * kChunk + (s - s0), v, acc + q * hd, hd);
+  }
+  return s;
+}
+
 // Task (b, g, chunk c): scores, softmax within the chunk, weighted values.
 __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
                                                       const Partial& p) {
@@ -83,7 +161,13 @@ __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, in
   }
   if (s1 <= s0) return;
   const int64_t head = b * a.G + g;  // rows of this (b, g): head * S + s
-  for (int64_t s = s0; s < s1; ++s) {  // pass 1: every key row read once
+  int64_t s = s0;
+  // bf16 caches: kKeys rows at a time, widened in registers (independent dot products in
+  // flight); f32 rows stream fastest one at a time (measured: 21 vs 24-26 ms at 32k keys)
+  if (hd % kLanes == 0 && a.kv_type == WeightType::kBF16)
+    s = score_groups(static_cast<const uint16_t*>(a.k) + head * a.S * hd, qs.data(), qpos.data(), a, s0, s1,
+                     scores.data());
+  for (; s < s1; ++s) {  // pass 1 (rest): every key row read once
     const float* k = row_f32(a.k, a.kv_type, head * a.S + s, hd, buf.data());
     for (int64_t q = 0; q < Q; ++q) {
       const bool visible = s <= qpos[q] && (a.window == 0 || s > qpos[q] - a.window);
@@ -104,7 +188,10 @@ __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, in
     p.m[q] = m;
     p.l[q] = l;
   }
-  for (int64_t s = s0; s < s1; ++s) {  // pass 2: every value row read once
+  int64_t sv = s0;
+  if (hd % kLanes == 0 && a.kv_type == WeightType::kBF16)  // bf16: kKeys value rows per load / store of acc
+    sv = value_groups(static_cast<const uint16_t*>(a.v) + head * a.S * hd, scores.data(), a, s0, s1, p.acc);
+  for (int64_t s = sv; s < s1; ++s) {  // pass 2 (rest): every value row read once
     const float* v = row_f32(a.v, a.kv_type, head * a.S + s, hd, buf.data());
     for (int64_t q = 0; q < Q; ++q) {
       const float w = scores[q * kChunk + (s - s0)];

@@ -126,6 +126,7 @@ KERNEL_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
     (1, 1, 32, 4, 128, 2048, [1500], 0),  # Qwen3-30B-A3B head shape
     (3, 2, 4, 4, 8, 1100, [1100, 600, 3], 100),  # window across chunks
     (2, 1, 2, 2, 8, 32, [0, 7], 0),  # a row with no key in use: zeros
+    (2, 2, 16, 16, 32, 1300, [1300, 517], 37),  # hd % 16 == 0: 8-key groups, window and tails inside them
 ]
 
 
