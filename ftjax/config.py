@@ -158,14 +158,17 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     """Range checks on every field a family reader fills, beyond the ones tensor shapes
     enforce later: sizes positive, eps / theta finite, per-layer tuples of the right
     length, token ids in the vocabulary. Raises ConfigError naming the field."""
-    def bad(field, why):
-        raise ConfigError(f"config.json: {field} {why}, got {getattr(cfg, field)!r}")
+    def bad(field, why, where=cfg, what=""):
+        raise ConfigError(f"config.json: {what}{field} {why}, got {getattr(where, field)!r}")
 
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
-                  "top_k", "max_position"):
-        value = getattr(cfg, field)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
-            bad(field, f"must be an integer in 1..{MAX_SIZE}")
+    def sizes(where, fields, what=""):  # each a positive int that fits an int32
+        for field in fields:
+            value = getattr(where, field)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+                bad(field, f"must be an integer in 1..{MAX_SIZE}", where, what)
+
+    sizes(cfg, ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+                "top_k", "max_position"))
     for field in ("d_ff", "d_ff_expert", "shared_expert_d_ff"):
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
@@ -205,11 +208,7 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     if "gated_deltanet" in cfg.layer_kinds and dn is None:
         bad("deltanet", "(linear_* sizes) must be given when a layer is linear_attention")
     if dn is not None:
-        for field in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_kernel"):
-            value = getattr(dn, field)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
-                raise ConfigError(f"config.json: linear attention {field} must be an integer in 1..{MAX_SIZE}, "
-                                  f"got {value!r}")
+        sizes(dn, ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_kernel"), "linear attention ")
         if dn.num_v_heads % dn.num_k_heads:
             raise ConfigError(f"config.json: linear_num_value_heads {dn.num_v_heads} is not a multiple of "
                               f"linear_num_key_heads {dn.num_k_heads}")

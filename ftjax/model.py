@@ -100,6 +100,12 @@ class Model:
             return False
         return streams(self.prefill_mode, self.stream_threshold, num_tokens, jax.default_backend() == "cpu")
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end a generation: the config's and the tokenizer's."""
+        tok = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
+        return frozenset(self.config.eos_token_ids) | tok
+
     # ---- sessions ------------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int):
         """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers)."""

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -21,18 +22,7 @@ struct Partial {  // one task's result for its Q = r*T queries
   float* acc;     // [Q, hd] sum of exp(score - m) * v
 };
 
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-constexpr int kKeys = 8;  // key rows scored together in pass 1
+constexpr int kKeys = 8;  // bf16 rows scored / added together
 
 // Element i of a cache row as f32: f32 as is, bf16 bits widened in registers (no copy).
 __attribute__((always_inline)) inline float elem(const float* row, int64_t i) { return row[i]; }
@@ -41,6 +31,18 @@ __attribute__((always_inline)) inline float elem(const uint16_t* row, int64_t i)
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+template <typename Elem>
+__attribute__((always_inline)) inline float dot(const float* a, const Elem* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * elem(b, i + l);
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i] * elem(b, i);
+  return s;
 }
 
 // q . k[j] for kKeys rows at once (n a multiple of kLanes): kKeys independent accumulator
@@ -71,8 +73,9 @@ __attribute__((always_inline)) inline void axpy_keys(const float* w, const Elem*
   }
 }
 
-__attribute__((always_inline)) inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+template <typename Elem>
+__attribute__((always_inline)) inline void axpy(float w, const Elem* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * elem(x, i);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = n ln2 + f with n an
@@ -89,16 +92,6 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return x < -87.f ? 0.f : p * scale;
-}
-
-// One key or value row as f32: a pointer into the cache (f32) or widened into `buf` (bf16).
-__attribute__((always_inline)) inline const float* row_f32(const void* base, WeightType type, int64_t row,
-                                                           int64_t hd, float* buf) {
-  if (type == WeightType::kF32) return static_cast<const float*>(base) + row * hd;
-  const uint16_t* bits = static_cast<const uint16_t*>(base) + row * hd;
-  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
-  for (int64_t i = 0; i < hd; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-  return buf;
 }
 
 // Pass 1 over whole groups of kKeys rows of one head's keys (rows from `keys`, this
@@ -140,13 +133,15 @@ __attribute__((always_inline)) inline int64_t value_groups(const Elem* values, c
   return s;
 }
 
-// Task (b, g, chunk c): scores, softmax within the chunk, weighted values.
-__attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
+// Task (b, g, chunk c) over a cache of Elem rows (float or bf16 bits): scores, softmax
+// within the chunk, weighted values.
+template <typename Elem>
+__attribute__((always_inline)) inline void chunk_rows(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
                                                       const Partial& p) {
   const int64_t r = a.H / a.G, T = a.T, Q = r * T, hd = a.hd;
   const int64_t s0 = c * kChunk, s1 = std::min<int64_t>((c + 1) * kChunk, a.kv_len[b]);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  std::vector<float> qs(Q * hd), scores(Q * kChunk), buf(hd);
+  std::vector<float> qs(Q * hd), scores(Q * kChunk);
   std::vector<int32_t> qpos(Q);
   for (int64_t j = 0; j < r; ++j)
     for (int64_t t = 0; t < T; ++t) {
@@ -160,15 +155,16 @@ __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, in
     std::fill(p.acc + q * hd, p.acc + (q + 1) * hd, 0.f);
   }
   if (s1 <= s0) return;
-  const int64_t head = b * a.G + g;  // rows of this (b, g): head * S + s
+  const int64_t head = b * a.G + g;  // this (b, g)'s [S, hd] matrices
+  const Elem* keys = static_cast<const Elem*>(a.k) + head * a.S * hd;
+  const Elem* values = static_cast<const Elem*>(a.v) + head * a.S * hd;
+  // bf16: kKeys rows at a time (independent dot products in flight); f32 rows stream
+  // fastest one at a time (measured: 21 vs 24-26 ms at 32k keys)
+  constexpr bool grouped = std::is_same_v<Elem, uint16_t>;
   int64_t s = s0;
-  // bf16 caches: kKeys rows at a time, widened in registers (independent dot products in
-  // flight); f32 rows stream fastest one at a time (measured: 21 vs 24-26 ms at 32k keys)
-  if (hd % kLanes == 0 && a.kv_type == WeightType::kBF16)
-    s = score_groups(static_cast<const uint16_t*>(a.k) + head * a.S * hd, qs.data(), qpos.data(), a, s0, s1,
-                     scores.data());
+  if (grouped && hd % kLanes == 0) s = score_groups(keys, qs.data(), qpos.data(), a, s0, s1, scores.data());
   for (; s < s1; ++s) {  // pass 1 (rest): every key row read once
-    const float* k = row_f32(a.k, a.kv_type, head * a.S + s, hd, buf.data());
+    const Elem* k = keys + s * hd;
     for (int64_t q = 0; q < Q; ++q) {
       const bool visible = s <= qpos[q] && (a.window == 0 || s > qpos[q] - a.window);
       scores[q * kChunk + (s - s0)] = visible ? dot(qs.data() + q * hd, k, hd) : kNegInf;
@@ -189,15 +185,20 @@ __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, in
     p.l[q] = l;
   }
   int64_t sv = s0;
-  if (hd % kLanes == 0 && a.kv_type == WeightType::kBF16)  // bf16: kKeys value rows per load / store of acc
-    sv = value_groups(static_cast<const uint16_t*>(a.v) + head * a.S * hd, scores.data(), a, s0, s1, p.acc);
+  if (grouped && hd % kLanes == 0) sv = value_groups(values, scores.data(), a, s0, s1, p.acc);  // one acc pass per kKeys rows
   for (int64_t s = sv; s < s1; ++s) {  // pass 2 (rest): every value row read once
-    const float* v = row_f32(a.v, a.kv_type, head * a.S + s, hd, buf.data());
+    const Elem* v = values + s * hd;
     for (int64_t q = 0; q < Q; ++q) {
       const float w = scores[q * kChunk + (s - s0)];
       if (w != 0.f) axpy(w, v, p.acc + q * hd, hd);
     }
   }
+}
+
+__attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
+                                                      const Partial& p) {
+  if (a.kv_type == WeightType::kF32) chunk_rows<float>(a, b, g, c, p);
+  else chunk_rows<uint16_t>(a, b, g, c, p);
 }
 
 using TaskFn = void (*)(const AttentionArgs&, int64_t, int64_t, int64_t, const Partial&);

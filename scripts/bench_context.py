@@ -86,13 +86,13 @@ def main(argv=None) -> int:
         layers.HOST_KERNEL_MAX_QUERIES = 0
     model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
     cfg = model.config
+    kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only
     for ctx in a.contexts:
         if ctx + a.steps + 1 > model.max_seq_len:
             print(json.dumps({"bench": "decode_context", "context": ctx, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
             continue
         ts = step_times(model, ctx, a.steps)
         ms = statistics.median(ts) * 1e3
-        kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only
         kv_bytes = 2 * kv_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
         print(json.dumps({"bench": "decode_context", "model": model.checkpoint.path.name, "policy": a.policy,
                           "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes,

@@ -82,6 +82,14 @@ def convert(model_dir: str, llama_src: str, out: str) -> None:
     print(json.dumps({"converted": out, "bytes": os.path.getsize(out), "seconds": round(time.perf_counter() - t0, 1)}))
 
 
+def last_argmax(llm) -> int:
+    """Greedy token from the logits of the last evaluated token, read in place."""
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))))
+
+
 def bench(args) -> None:
     import llama_cpp
     from llama_cpp import Llama
@@ -94,10 +102,6 @@ def bench(args) -> None:
     V = llm.n_vocab()
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, V, size=args.prompt)]
 
-    def last_argmax() -> int:  # logits of the last evaluated token, read in place
-        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(V,))))
-
     def run():
         llm.reset()
         llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
@@ -106,12 +110,12 @@ def bench(args) -> None:
         t_prompt = time.perf_counter() - t0
         toks, stamps, c0 = [], [time.perf_counter()], time.process_time()
         for _ in range(args.new - 1):
-            tok = last_argmax()
+            tok = last_argmax(llm)
             toks.append(tok)
             llm.eval([tok])
             stamps.append(time.perf_counter())
         cpu_ms = (time.process_time() - c0) / (args.new - 1) * 1e3
-        toks.append(last_argmax())
+        toks.append(last_argmax(llm))
         perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
         return t_prompt, list(np.diff(stamps)), toks, perf, cpu_ms
 
@@ -151,8 +155,7 @@ def contexts(args) -> None:
         prefill_s = time.perf_counter() - t0
         stamps = [time.perf_counter()]
         for _ in range(args.new):
-            ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-            llm.eval([int(np.argmax(np.ctypeslib.as_array(ptr, shape=(V,))))])
+            llm.eval([last_argmax(llm)])
             stamps.append(time.perf_counter())
         ms = statistics.median(np.diff(stamps)) * 1e3
         print(json.dumps({"bench": "context_llamacpp", "gguf": args.gguf, "context": ctx, "threads": threads,

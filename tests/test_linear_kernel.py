@@ -78,15 +78,21 @@ def test_model_linear_dispatches_on_storage():
     assert_close(packed, plain)
 
 
-def test_packed_linear_uses_gemm_for_many_rows():
+def test_packed_linear_uses_gemm_for_many_rows(monkeypatch):
     """Packed weights: below PACKED_GEMM_MIN_TOKENS rows the host kernel (FFI target in
-    the program), from it XLA's dot on the widened matrix; both equal the reference."""
+    the program), from it XLA's dot on the widened matrix unless that would exceed
+    PACKED_GEMM_MAX_BYTES; every path equals the reference."""
+    from ftjax.models import ops
     from ftjax.models.ops import PACKED_GEMM_MIN_TOKENS
 
     rng = np.random.default_rng(4)
-    for rows, kernel in ((PACKED_GEMM_MIN_TOKENS - 1, True), (PACKED_GEMM_MIN_TOKENS, False)):
+    cases = [(PACKED_GEMM_MIN_TOKENS - 1, True, None), (PACKED_GEMM_MIN_TOKENS, False, None),
+             (PACKED_GEMM_MIN_TOKENS, True, 4 * 24 * 40 - 1)]  # widened matrix over the byte cap
+    for rows, kernel, max_bytes in cases:
+        if max_bytes is not None:
+            monkeypatch.setattr(ops, "PACKED_GEMM_MAX_BYTES", max_bytes)
         x, w_bits = make(rng, 24, 40, rows, "bfloat16")
-        fn = jax.jit(model_linear)
+        fn = jax.jit(lambda x, w: model_linear(x, w))  # a fresh trace for each case
         assert_close(np.asarray(fn(jnp.asarray(x), jnp.asarray(w_bits))), reference_linear(x, w_bits))
         assert (host.LINEAR_FFI_TARGET in fn.lower(jnp.asarray(x), jnp.asarray(w_bits)).as_text()) == kernel
 

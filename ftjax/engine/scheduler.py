@@ -116,8 +116,7 @@ class Scheduler:
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
         self.buckets = batch_buckets(max_batch)
         self.capacities = capacity_buckets(model.max_seq_len)
-        tok = model.tokenizer
-        self.eos = frozenset(model.config.eos_token_ids) | (tok.eos_token_ids if tok else frozenset())
+        self.eos = model.eos_ids
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._prefill: _Prefill | None = None

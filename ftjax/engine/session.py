@@ -380,7 +380,7 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
     for s in sessions:
         s._state = None  # the batch owns the buffers now (the step donates them)
 
-    eos = set(m.config.eos_token_ids) | (set(m.tokenizer.eos_token_ids) if m.tokenizer else set())
+    eos = m.eos_ids
     keys = jnp.stack([jax.random.PRNGKey(sampling.seed)] * Bp)
     temperature, top_k, top_p = sampling.rows(Bp)
     active = np.array([True] * B + [False] * (Bp - B))

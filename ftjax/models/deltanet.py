@@ -47,7 +47,7 @@ from flax import nnx
 
 from ftjax.config import ModelConfig
 from ftjax.models.layers import layer_kind
-from ftjax.models.ops import Step, linear, linear_param, param
+from ftjax.models.ops import Step, linear, linear_param, param, rms_norm
 
 CHUNK = 64  # tokens per chunk of the chunked form (as flash-linear-attention)
 
@@ -238,6 +238,4 @@ class GatedDeltaNet(nnx.Module):
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, scaled by `weight`, times silu(gate) (f32)."""
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return weight.astype(jnp.float32) * x * jax.nn.silu(gate.astype(jnp.float32))
+    return rms_norm(x.astype(jnp.float32), weight.astype(jnp.float32), eps) * jax.nn.silu(gate.astype(jnp.float32))

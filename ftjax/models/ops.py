@@ -42,6 +42,7 @@ def linear_param(d_in: int, d_out: int, dtype, packed: bool) -> nnx.Param:
 
 
 PACKED_GEMM_MIN_TOKENS = 128  # from this many rows, XLA's GEMM on the f32 view beats the GEMV kernel (measured)
+PACKED_GEMM_MAX_BYTES = 512 << 20  # ... unless the f32 view would be this big (an LM head over all prompt logits)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -50,9 +51,11 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     Packed weights: a few rows (decode, short prompts) stream the bf16 matrix through
     the host GEMV kernel at memory speed; from `PACKED_GEMM_MIN_TOKENS` rows (prompt
     chunks) the matrix is widened to f32 once and multiplied by XLA's GEMM, which reuses
-    each weight across rows (at 512 rows of a 4096 x 2048 matrix: 120 ms vs 314 ms)."""
+    each weight across rows (at 512 rows of a 4096 x 2048 matrix: 120 ms vs 314 ms). A
+    matrix whose f32 view would exceed `PACKED_GEMM_MAX_BYTES` (a large-vocabulary LM
+    head when every prompt position's logits are asked for) stays on the kernel."""
     if w.dtype == jnp.uint16:
-        if math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS:
+        if math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS and 4 * w.size <= PACKED_GEMM_MAX_BYTES:
             return (x.astype(jnp.float32) @ as_f32(w).T).astype(x.dtype)
         return host.linear(x, w).astype(x.dtype)
     return x @ w
