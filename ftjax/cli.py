@@ -7,6 +7,7 @@
     ftjax serve [--model DIR] [--port 8000]   OpenAI- and Anthropic-compatible HTTP server
     ftjax profile [--json] [--threads N]      measure B_P / B_H, save the profile
     ftjax bench paper --out DIR [--quick]     regenerate the paper's experiments
+    ftjax bench agent --out DIR               agent transcripts against `ftjax serve`: tail TTFT
     ftjax --version
 
 Text goes to stdout as it is produced; a summary line (prompt tokens, TTFT, steady decode
@@ -58,6 +59,9 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="host expert-kernel threads (default None: every core this process may use)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context length to allocate (default None: the model's maximum)")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="one device-memory budget (GiB) for weights, states, prefill scratch and the expert cache, "
+                        "which yields to states as they grow (default None: no budget)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,10 +84,6 @@ def check_args(args) -> None:
     """Reject values the model would silently accept or fail on later, naming the option."""
     from ftjax.experts.policy import POLICIES
     from ftjax.host import default_threads
-
-    def finite(name, value):
-        if value is not None and not math.isfinite(value):
-            raise UsageError(f"{name} must be a finite number, got {value}")
 
     pol = POLICIES[args.policy]
     for name in ("cache_slots", "cache_bytes"):
@@ -110,6 +110,10 @@ def check_args(args) -> None:
                 raise UsageError(f"--bandwidth {name} must be positive, got {value:g}")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         raise UsageError(f"--max-seq-len must be positive, got {args.max_seq_len}")
+    if args.device_memory_gb is not None:
+        finite("--device-memory-gb", args.device_memory_gb)
+        if args.device_memory_gb <= 0:
+            raise UsageError(f"--device-memory-gb must be positive, got {args.device_memory_gb:g}")
     if args.command == "serve":
         return check_serve_args(args)
     if args.max_new_tokens < 0:
@@ -130,7 +134,8 @@ def _load(args):
     t0 = time.perf_counter()
     model = ftjax.load(args.model, policy=args.policy, cache_slots=args.cache_slots,
                        cache_bytes=args.cache_bytes, threads=args.threads, max_seq_len=args.max_seq_len,
-                       bandwidth=tuple(args.bandwidth) if args.bandwidth else None)
+                       bandwidth=tuple(args.bandwidth) if args.bandwidth else None,
+                       device_memory_bytes=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json; ftjax {args.command} needs text in and out")
     return model, time.perf_counter() - t0
@@ -230,12 +235,21 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def finite(name: str, value) -> None:
+    if value is not None and not math.isfinite(value):
+        raise UsageError(f"{name} must be a finite number, got {value}")
+
+
 def check_serve_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     for name in ("max_batch", "prefill_chunk", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("state_cache_device_gb", "state_cache_host_gb", "state_cache_disk_gb"):
+        finite(f"--{name.replace('_', '-')}", getattr(args, name))
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name):g}")
     if not (math.isfinite(args.keepalive_s) and args.keepalive_s > 0):
         raise UsageError(f"--keepalive-s must be a positive number of seconds, got {args.keepalive_s}")
 
@@ -243,12 +257,16 @@ def check_serve_args(args) -> None:
 def cmd_serve(args) -> int:
     from pathlib import Path
 
+    from ftjax.engine.state_cache import StateCache
     from ftjax.serve import serve
 
     model, _ = _load(args)
     model_id = args.served_model_name or (Path(args.model).name if args.model else "ftjax-default")
+    cache = None if args.state_cache == "off" else StateCache(
+        model, args.state_cache, int(args.state_cache_device_gb * 2**30), int(args.state_cache_host_gb * 2**30),
+        args.state_cache_dir, int(args.state_cache_disk_gb * 2**30))
     serve(model, args.host, args.port, model_id, args.max_batch, args.prefill_chunk, args.max_body_bytes,
-          args.keepalive_s, args.warmup)
+          args.keepalive_s, args.warmup, cache)
     return 0
 
 
@@ -265,6 +283,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between keepalives (SSE comments / Anthropic pings) while a stream waits")
     p.add_argument("--warmup", action="store_true",
                    help="compile the engine's programs (every batch and capacity bucket) before listening")
+    p.add_argument("--state-cache", default="semantic", choices=["off", "prefix", "semantic"],
+                   help="reuse conversation states across requests: snapshots at the end of each prompt (prefix), "
+                        "and also after </think>, </tool_call>, </tool_output> (semantic)")
+    p.add_argument("--state-cache-device-gb", type=float, default=1.0, help="state cache: device tier budget (GiB)")
+    p.add_argument("--state-cache-host-gb", type=float, default=4.0, help="state cache: host-RAM tier budget (GiB)")
+    p.add_argument("--state-cache-dir", default=None,
+                   help="state cache: disk tier folder (orbax); a restarted server resumes the sessions kept there")
+    p.add_argument("--state-cache-disk-gb", type=float, default=32.0, help="state cache: disk tier budget (GiB)")
 
 
 def cmd_profile(argv: list[str]) -> int:

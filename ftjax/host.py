@@ -46,6 +46,7 @@ from ftjax.experts.storage import as_f32, bf16_bits_to_f32
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
 ATTENTION_FFI_TARGET = "ftjax_attention"
+WRITE_ROWS_FFI_TARGET = "ftjax_write_rows"
 
 
 class Boundary(enum.Enum):
@@ -111,6 +112,7 @@ def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(FFI_TARGET, _hk.ffi_expert_ffn(), platform="cpu")
     jax.ffi.register_ffi_target(LINEAR_FFI_TARGET, _hk.ffi_linear(), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, _hk.ffi_attention(), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_ROWS_FFI_TARGET, _hk.ffi_write_rows(), platform="cpu")
 
 
 @functools.cache
@@ -159,6 +161,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
                 window=np.int64(window), pool_ptr=np.int64(shared_threads(dense_threads()).address),
                 isa=np.int32(isa.value))
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, G, S, hd] with rows [B, G, T, hd] (cast to the cache's dtype) written at
+    row start[b] of each (b, g), by the C++ handler with its result aliased to the cache:
+    inside a step that donates the cache, only the T new rows are written (CPU backend)."""
+    _register_ffi_targets()
+    call = jax.ffi.ffi_call(WRITE_ROWS_FFI_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, rows.astype(cache.dtype), jnp.asarray(start, jnp.int32))
 
 
 def attention_numpy(q, k, v, positions, kv_len, window: int = 0, threads: int | None = None,

@@ -61,6 +61,7 @@ class Model:
     prefill_chunk: int = 4096  # longer prompts prefill in chunks of this many tokens
     kv_dtype: Any = jnp.float32  # storage of cached activations (attention K/V)
     last_generation: GenerationStats | None = None
+    memory: Any = field(default=None, repr=False)  # engine.memory.DeviceMemory (elastic budget) or None
 
     def __repr__(self) -> str:
         c = self.config
@@ -208,6 +209,9 @@ class Model:
         """Back to the policy's initial placement: every slot emptied (pinned policies
         re-pinned), every stamp forgotten."""
         self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)
+        if self.memory is not None:
+            self.memory.sync()
+            self.memory.rebalance()  # keep the slots the budget has taken back disabled
 
 
 def _initial_xstate(executor, pool) -> dict:
@@ -227,7 +231,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          max_seq_len: int | None = None, expert_dtype: str | None = None, dense_dtype: str | None = None,
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
-         prefill_chunk: int = 4096, kv_dtype: str = "float32") -> Model:
+         prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder (None = the embedded default model).
 
     policy: where experts run (`ftjax.experts.policy.POLICIES`); cache_slots / cache_bytes:
@@ -243,7 +247,10 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     keeps (0 = none, None = all; the counters of `stats()` are cumulative regardless);
     prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk));
     kv_dtype: "float32" (default) or "bfloat16", the storage of the attention K/V cache
-    (bf16 halves the bytes a long-context decode step reads).
+    (bf16 halves the bytes a long-context decode step reads); device_memory_bytes: one
+    budget for weights, states, prefill scratch and the expert cache, which shrinks as
+    states grow and grows back as they shrink (`ftjax.engine.memory`; "auto": the
+    accelerator's memory; None: no budget).
     """
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if kv_dtype not in kv_dtypes:
@@ -296,13 +303,22 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     max_len = max_seq_len or cfg.max_position
     streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads) if pol.name != "device" else None
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
-    return Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
-                 bandwidth=bandwidth, _graphdef=graphdef, _params=params,
-                 _pool_dev=pool_view(pool),
-                 _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
-                 _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
-                 stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
-                 kv_dtype=kv_dtypes[kv_dtype])
+    model = Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
+                  bandwidth=bandwidth, _graphdef=graphdef, _params=params,
+                  _pool_dev=pool_view(pool),
+                  _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
+                  _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
+                  stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
+                  kv_dtype=kv_dtypes[kv_dtype])
+    if device_memory_bytes is not None:
+        from ftjax.engine.memory import DeviceMemory, device_budget
+
+        if device_memory_bytes == "auto":
+            device_memory_bytes = device_budget()
+            if device_memory_bytes is None:
+                raise ValueError("device_memory_bytes='auto' needs an accelerator; on the CPU backend give a byte count")
+        model.memory = DeviceMemory(model, device_memory_bytes)
+    return model
 
 
 def streams(mode: str, threshold: int, num_tokens: int, device_is_host: bool) -> bool:

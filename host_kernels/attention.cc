@@ -9,6 +9,13 @@
 
 #include "blocks.h"
 
+#if defined(__x86_64__)
+#pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12 avx512fintrin.h false positives
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define FTJAX_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+
 namespace ftjax {
 namespace {
 
@@ -78,6 +85,60 @@ __attribute__((always_inline)) inline void axpy(float w, const Elem* __restrict 
   for (int64_t i = 0; i < n; ++i) y[i] += w * elem(x, i);
 }
 
+#if defined(__x86_64__)
+// AVX-512 forms for bf16 rows (hd % 32 == 0), in the even/odd layout of kernels_avx512.cc:
+// one 512-bit load holds 32 bf16 values; `<< 16` gives the 16 even elements as f32 and
+// `and 0xFFFF0000` the 16 odd ones, so the query and the value accumulator are kept
+// permuted the same way (per 32-element block: 16 even, then 16 odd) and no widening
+// shuffle is needed. `to_even_odd` / `from_even_odd` convert a row.
+inline void to_even_odd(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32)
+    for (int l = 0; l < 16; ++l) y[i + l] = x[i + 2 * l], y[i + 16 + l] = x[i + 2 * l + 1];
+}
+inline void from_even_odd(const float* y, float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32)
+    for (int l = 0; l < 16; ++l) x[i + 2 * l] = y[i + l], x[i + 2 * l + 1] = y[i + 16 + l];
+}
+
+FTJAX_AVX512 inline void load_even_odd(const uint16_t* p, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// out[j] = q . k[j] for kKeys bf16 rows; q_eo in the even/odd layout.
+FTJAX_AVX512 inline void dot_keys_avx512(const float* q_eo, const uint16_t* const* k, int64_t n, float* out) {
+  __m512 acc[kKeys];
+  for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 qe = _mm512_loadu_ps(q_eo + i), qo = _mm512_loadu_ps(q_eo + i + 16);
+    for (int j = 0; j < kKeys; ++j) {
+      __m512 e, o;
+      load_even_odd(k[j] + i, e, o);
+      acc[j] = _mm512_fmadd_ps(qe, e, _mm512_fmadd_ps(qo, o, acc[j]));
+    }
+  }
+  for (int j = 0; j < kKeys; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+// y_eo += sum_j w[j] v[j] over kKeys bf16 rows; y_eo in the even/odd layout.
+FTJAX_AVX512 inline void axpy_keys_avx512(const float* w, const uint16_t* const* v, float* y_eo, int64_t n) {
+  __m512 wj[kKeys];
+  for (int j = 0; j < kKeys; ++j) wj[j] = _mm512_set1_ps(w[j]);
+  for (int64_t i = 0; i < n; i += 32) {
+    __m512 ye = _mm512_loadu_ps(y_eo + i), yo = _mm512_loadu_ps(y_eo + i + 16);
+    for (int j = 0; j < kKeys; ++j) {
+      __m512 e, o;
+      load_even_odd(v[j] + i, e, o);
+      ye = _mm512_fmadd_ps(wj[j], e, ye);
+      yo = _mm512_fmadd_ps(wj[j], o, yo);
+    }
+    _mm512_storeu_ps(y_eo + i, ye);
+    _mm512_storeu_ps(y_eo + i + 16, yo);
+  }
+}
+#endif
+
 // exp(x) for x <= 0 (scores minus their maximum), vectorisable: x = n ln2 + f with n an
 // integer and |f| <= ln2 / 2 (ln2 split in two constants so the reduction is exact
 // enough), e^f by its degree-7 Taylor polynomial (truncation below 1e-8), 2^n by
@@ -96,7 +157,7 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
 
 // Pass 1 over whole groups of kKeys rows of one head's keys (rows from `keys`, this
 // head's [S, hd] matrix): scores[q, s - s0]; returns the first row not scored.
-template <typename Elem>
+template <typename Elem, bool kWide>
 __attribute__((always_inline)) inline int64_t score_groups(const Elem* keys, const float* qs, const int32_t* qpos,
                                                            const AttentionArgs& a, int64_t s0, int64_t s1,
                                                            float* scores) {
@@ -107,7 +168,11 @@ __attribute__((always_inline)) inline int64_t score_groups(const Elem* keys, con
     for (int j = 0; j < kKeys; ++j) k[j] = keys + (s + j) * hd;
     for (int64_t q = 0; q < Q; ++q) {
       float dots[kKeys];
-      dot_keys(qs + q * hd, k, hd, dots);
+#if defined(__x86_64__)
+      if constexpr (kWide) dot_keys_avx512(qs + q * hd, k, hd, dots);  // qs in the even/odd layout
+      else
+#endif
+        dot_keys(qs + q * hd, k, hd, dots);
       for (int j = 0; j < kKeys; ++j) {
         const int64_t key = s + j;
         const bool visible = key <= qpos[q] && (a.window == 0 || key > qpos[q] - a.window);
@@ -120,7 +185,7 @@ __attribute__((always_inline)) inline int64_t score_groups(const Elem* keys, con
 
 // Pass 2 over whole groups of kKeys value rows: acc[q] += sum_s w[q, s] v[s]; returns the
 // first row not added.
-template <typename Elem>
+template <typename Elem, bool kWide>
 __attribute__((always_inline)) inline int64_t value_groups(const Elem* values, const float* weights,
                                                            const AttentionArgs& a, int64_t s0, int64_t s1, float* acc) {
   const int64_t Q = (a.H / a.G) * a.T, hd = a.hd;
@@ -128,14 +193,21 @@ __attribute__((always_inline)) inline int64_t value_groups(const Elem* values, c
   for (; s + kKeys <= s1; s += kKeys) {
     const Elem* v[kKeys];
     for (int j = 0; j < kKeys; ++j) v[j] = values + (s + j) * hd;
-    for (int64_t q = 0; q < Q; ++q) axpy_keys(weights + q * kChunk + (s - s0), v, acc + q * hd, hd);
+    for (int64_t q = 0; q < Q; ++q) {
+#if defined(__x86_64__)
+      if constexpr (kWide) axpy_keys_avx512(weights + q * kChunk + (s - s0), v, acc + q * hd, hd);  // even/odd acc
+      else
+#endif
+        axpy_keys(weights + q * kChunk + (s - s0), v, acc + q * hd, hd);
+    }
   }
   return s;
 }
 
 // Task (b, g, chunk c) over a cache of Elem rows (float or bf16 bits): scores, softmax
-// within the chunk, weighted values.
-template <typename Elem>
+// within the chunk, weighted values. kAvx512: the caller is compiled for AVX-512 (bf16
+// groups then use the even/odd intrinsics when hd % 32 == 0).
+template <typename Elem, bool kAvx512>
 __attribute__((always_inline)) inline void chunk_rows(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
                                                       const Partial& p) {
   const int64_t r = a.H / a.G, T = a.T, Q = r * T, hd = a.hd;
@@ -161,8 +233,16 @@ __attribute__((always_inline)) inline void chunk_rows(const AttentionArgs& a, in
   // bf16: kKeys rows at a time (independent dot products in flight); f32 rows stream
   // fastest one at a time (measured: 21 vs 24-26 ms at 32k keys)
   constexpr bool grouped = std::is_same_v<Elem, uint16_t>;
+  constexpr bool wide = grouped && kAvx512;
+  std::vector<float> qs_eo, acc_eo;  // wide: query and value sums in the even/odd layout
+  if (wide && hd % 32 == 0) {
+    qs_eo.resize(Q * hd);
+    acc_eo.assign(Q * hd, 0.f);
+    for (int64_t q = 0; q < Q; ++q) to_even_odd(qs.data() + q * hd, qs_eo.data() + q * hd, hd);
+  }
   int64_t s = s0;
-  if (grouped && hd % kLanes == 0) s = score_groups(keys, qs.data(), qpos.data(), a, s0, s1, scores.data());
+  if (!qs_eo.empty()) s = score_groups<Elem, wide>(keys, qs_eo.data(), qpos.data(), a, s0, s1, scores.data());
+  else if (grouped && hd % kLanes == 0) s = score_groups<Elem, false>(keys, qs.data(), qpos.data(), a, s0, s1, scores.data());
   for (; s < s1; ++s) {  // pass 1 (rest): every key row read once
     const Elem* k = keys + s * hd;
     for (int64_t q = 0; q < Q; ++q) {
@@ -185,7 +265,12 @@ __attribute__((always_inline)) inline void chunk_rows(const AttentionArgs& a, in
     p.l[q] = l;
   }
   int64_t sv = s0;
-  if (grouped && hd % kLanes == 0) sv = value_groups(values, scores.data(), a, s0, s1, p.acc);  // one acc pass per kKeys rows
+  if (!qs_eo.empty()) {
+    sv = value_groups<Elem, wide>(values, scores.data(), a, s0, s1, acc_eo.data());
+    for (int64_t q = 0; q < Q; ++q) from_even_odd(acc_eo.data() + q * hd, p.acc + q * hd, hd);
+  } else if (grouped && hd % kLanes == 0) {
+    sv = value_groups<Elem, false>(values, scores.data(), a, s0, s1, p.acc);  // one acc pass per kKeys rows
+  }
   for (int64_t s = sv; s < s1; ++s) {  // pass 2 (rest): every value row read once
     const Elem* v = values + s * hd;
     for (int64_t q = 0; q < Q; ++q) {
@@ -195,25 +280,25 @@ __attribute__((always_inline)) inline void chunk_rows(const AttentionArgs& a, in
   }
 }
 
+template <bool kAvx512>
 __attribute__((always_inline)) inline void chunk_task(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
                                                       const Partial& p) {
-  if (a.kv_type == WeightType::kF32) chunk_rows<float>(a, b, g, c, p);
-  else chunk_rows<uint16_t>(a, b, g, c, p);
+  if (a.kv_type == WeightType::kF32) chunk_rows<float, false>(a, b, g, c, p);
+  else chunk_rows<uint16_t, kAvx512>(a, b, g, c, p);
 }
 
 using TaskFn = void (*)(const AttentionArgs&, int64_t, int64_t, int64_t, const Partial&);
 
 void task_scalar(const AttentionArgs& a, int64_t b, int64_t g, int64_t c, const Partial& p) {
-  chunk_task(a, b, g, c, p);
+  chunk_task<false>(a, b, g, c, p);
 }
 #if defined(__x86_64__)
 __attribute__((target("avx2,fma"))) void task_avx2(const AttentionArgs& a, int64_t b, int64_t g, int64_t c,
                                                      const Partial& p) {
-  chunk_task(a, b, g, c, p);
+  chunk_task<false>(a, b, g, c, p);
 }
-__attribute__((target("avx512f,fma"))) void task_avx512(const AttentionArgs& a, int64_t b, int64_t g,
-                                                          int64_t c, const Partial& p) {
-  chunk_task(a, b, g, c, p);
+FTJAX_AVX512 void task_avx512(const AttentionArgs& a, int64_t b, int64_t g, int64_t c, const Partial& p) {
+  chunk_task<true>(a, b, g, c, p);
 }
 #endif
 

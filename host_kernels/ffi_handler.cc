@@ -1,6 +1,8 @@
 #include "ffi_handler.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -146,6 +148,40 @@ ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuf
   return guarded("ftjax_linear", [&] { return linear_body(x, w, y, pool_ptr, isa); });
 }
 
+// Writes new [B, G, T, hd] into cache [B, G, S, hd] at row start[b] of each (b, g), in
+// place: the result is aliased to the cache operand, so only the T new rows move (XLA's
+// CPU backend would otherwise rewrite a whole bf16 cache around its update). If XLA did
+// not alias them (the operand still live elsewhere), the cache is copied first.
+ffi::Error write_rows_body(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+                           ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), rd = rows.dimensions(), od = out->dimensions();
+  if (cache.element_type() != rows.element_type() || out->element_type() != cache.element_type())
+    return ffi::Error::InvalidArgument("ftjax_write_rows: cache, rows and result must have one dtype");
+  if (cd.size() != 4 || rd.size() != 4 || od.size() != 4)
+    return ffi::Error::InvalidArgument("ftjax_write_rows: cache [B, G, S, hd], rows [B, G, T, hd]");
+  for (int i = 0; i < 4; ++i)
+    if (od[i] != cd[i] || (i != 2 && rd[i] != cd[i]))
+      return ffi::Error::InvalidArgument("ftjax_write_rows: rows or result shape does not match the cache");
+  if (rd[2] > cd[2] || start.element_count() != cd[0])
+    return ffi::Error::InvalidArgument("ftjax_write_rows: more rows than the cache holds, or start is not [B]");
+  const int64_t B = cd[0], G = cd[1], S = cd[2], T = rd[2];
+  const size_t row = cache.size_bytes() / static_cast<size_t>(B * G * S);  // bytes of one [hd] row
+  auto* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  const auto* src = static_cast<const char*>(rows.untyped_data());
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s0 = std::clamp<int64_t>(start.typed_data()[b], 0, S - T);  // as dynamic_update_slice
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(dst + ((b * G + g) * S + s0) * row, src + (b * G + g) * T * row, T * row);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+                           ffi::Result<ffi::AnyBuffer> out) noexcept {
+  return guarded("ftjax_write_rows", [&] { return write_rows_body(cache, rows, start, out); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxLinear, linear_impl,
@@ -184,3 +220,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
                                   .Attr<int32_t>("dtype")
                                   .Attr<int64_t>("pool_ptr")
                                   .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxWriteRows, write_rows_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // cache [B, G, S, hd] (aliased to the result)
+                                  .Arg<ffi::AnyBuffer>()         // rows [B, G, T, hd], the cache's dtype
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start [B]
+                                  .Ret<ffi::AnyBuffer>());       // cache with the rows written

@@ -25,3 +25,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxLinear);
 // read in place; positions [B, T] s32, kv_len [B] s32. Attributes: window (0 = full),
 // pool_ptr, isa as above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);
+
+// FtjaxWriteRows: cache [B, G, S, hd] (any dtype) with rows [B, G, T, hd] written at
+// row start[b] (clamped to [0, S - T], as dynamic_update_slice) of every (b, g). Called
+// with the result aliased to the cache operand: an in-place write of T rows.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxWriteRows);

@@ -157,6 +157,8 @@ NB_MODULE(_host_kernels, m) {
         "GB/s of each timed pass summing a num_bytes buffer.");
   m.def("ffi_expert_ffn", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFfn)); },
         "PyCapsule of the XLA FFI handler (CPU platform).");
+  m.def("ffi_write_rows", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxWriteRows)); },
+        "XLA FFI handler: in-place row write into a KV cache");
   m.def("ffi_linear", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxLinear)); },
         "PyCapsule of the dense linear XLA FFI handler (CPU platform).");
   m.def("has_avx2", &cpu_has_avx2_fma);

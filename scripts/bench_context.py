@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if a.attention == "xla":
         from ftjax.models import layers
 
-        layers.HOST_KERNEL_MAX_QUERIES = 0
+        layers.HOST_KERNEL_DECODE = False
     model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
     cfg = model.config
     kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only

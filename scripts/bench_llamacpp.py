@@ -75,7 +75,8 @@ def convert(model_dir: str, llama_src: str, out: str) -> None:
         for cls in [TextModel, *subclasses(TextModel)]:
             cls.set_vocab = set_vocab
     sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", "bf16", "--outfile", out]
-    if "mtp" not in json.dumps(json.loads((Path(model_dir) / "config.json").read_text())):
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("architectures", [""])[0].startswith(("Qwen3_5", "Qwen3Next")) and "mtp" not in json.dumps(config):
         sys.argv.append("--no-mtp")  # geometry checkpoints carry no multi-token-prediction head
     t0 = time.perf_counter()
     conv.main()

@@ -127,6 +127,7 @@ KERNEL_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
     (3, 2, 4, 4, 8, 1100, [1100, 600, 3], 100),  # window across chunks
     (2, 1, 2, 2, 8, 32, [0, 7], 0),  # a row with no key in use: zeros
     (2, 2, 16, 16, 32, 1300, [1300, 517], 37),  # hd % 16 == 0: 8-key groups, window and tails inside them
+    (2, 2, 8, 2, 64, 1100, [1100, 333], 300),  # hd % 32 == 0 (AVX-512 bf16 even/odd path), GQA 4, window
 ]
 
 
@@ -155,3 +156,23 @@ def test_host_attention_kernel_equals_its_reference(B, T, H, G, hd, S, kv_len, w
         np.testing.assert_allclose(np.asarray(out), ref, atol=tol, rtol=0)
     with pytest.raises(ValueError, match="kv_len"):
         host.attention_numpy(q, k, v, positions, np.full(B, S + 1, np.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_host_write_rows(dtype):
+    """The in-place row write equals dynamic_update_slice (starts clamped as it clamps),
+    per row of a batch; called on an array that is not donated, the input is untouched."""
+    from ftjax import host
+
+    rng = np.random.default_rng(5)
+    cache = jnp.asarray(rng.standard_normal((3, 2, 40, 32)), dtype)
+    rows = jnp.asarray(rng.standard_normal((3, 2, 4, 32)), jnp.float32)
+    start = jnp.array([0, 17, 39], jnp.int32)  # the last is clamped to 36, as dynamic_update_slice does
+    before = np.asarray(cache).copy()
+    got = jax.jit(host.write_rows)(cache, rows, start)
+    want = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(dtype), s, axis=1))(
+        cache, rows, start)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(cache), before)
+    with pytest.raises(Exception, match="more rows than the cache holds"):
+        jax.jit(host.write_rows)(cache[:, :, :3], rows, start)

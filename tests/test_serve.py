@@ -7,13 +7,8 @@ keepalives); one in-process model as the reference.
 
 import http.client
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +16,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import ftjax  # noqa: E402
+import serving  # noqa: E402
 
 MODEL = "ftjax-default"
 BODY_LIMIT = 1 << 16
@@ -35,35 +31,13 @@ ASK_STYLE = "Write a passage in the style of Pride and Prejudice."
 GREEDY = {"temperature": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ftjax.cli", "serve", "--port", str(port), "--max-batch", "4",
-                             "--max-body-bytes", str(BODY_LIMIT), "--keepalive-s", "0.5"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).parents[1])
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if _raw(port, "GET", "/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    """The API surface against a cold reference: no state cache (test_state_cache.py
+    covers the cache and the cached-token counts it reports)."""
+    with serving.server("--max-batch", "4", "--max-body-bytes", str(BODY_LIMIT), "--keepalive-s", "0.5",
+                        "--state-cache", "off") as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

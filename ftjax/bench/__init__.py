@@ -1,11 +1,13 @@
 """`ftjax bench ...`: benchmarks that regenerate the paper's experiments.
 
     ftjax bench paper --out DIR [--quick] [--model DIR] [--threads N]
+    ftjax bench agent --out DIR [--quick] [--model DIR] [--modes off prefix semantic]
 
 Modules: traces (routing traces of real runs), cachelab (miss-rate curves, the LRU
 check against the runtime), qsweep (bandwidth split, predicted and measured), decode
 (simulated decode per machine, simulator vs measured), prefill (streamed prefill
-overlap), report (report.md, claims, summary), paper (the stages, in order).
+overlap), report (report.md, claims, summary), paper (the stages, in order);
+agent (agent transcripts replayed against `ftjax serve`: tail TTFT per state-cache mode).
 Progress goes to stderr; the last stdout line is one JSON summary.
 """
 
@@ -29,12 +31,60 @@ def _parser() -> argparse.ArgumentParser:
     paper.add_argument("--texts", nargs="+", default=None, help="held-out corpus texts to trace (default: all)")
     paper.add_argument("--no-reference-shape", action="store_true",
                        help="skip the q sweep and profile with Qwen3-30B-A3B-shaped experts")
+    _add_agent_parser(sub)
     return p
+
+
+def _add_agent_parser(sub) -> None:
+    from ftjax.bench.agent import MODES
+    from ftjax.data.agent_transcripts import names
+
+    a = sub.add_parser("agent", help="replay agent transcripts against ftjax serve: TTFT p50/p95/max per "
+                                     "state-cache mode")
+    a.add_argument("--out", required=True, help="output folder (created)")
+    a.add_argument("--model", default=None, help="model folder for serve (default: embedded model)")
+    a.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="server --state-cache modes")
+    a.add_argument("--workloads", nargs="+", choices=names(), default=names(), help="transcripts to replay")
+    a.add_argument("--turns", type=int, default=None, help="replay at most N requests per workload")
+    a.add_argument("--scale", type=float, default=None,
+                   help="transcript size multiplier (default 1: fits the embedded model's 2048-token context)")
+    a.add_argument("--quick", action="store_true", help="3 requests per workload, scale 0.5, max_tokens 8")
+    a.add_argument("--port", type=int, default=0, help="server port (default 0: a free one per mode)")
+    a.add_argument("--timeout-s", type=float, default=300.0, help="server start-up and per-request timeout")
+    a.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request (default 16)")
+    a.add_argument("--no-warmup", action="store_true", help="start serve without --warmup (compiles during replay)")
+    a.add_argument("--device-memory-gb", type=float, default=None,
+                   help="serve's device memory budget (GiB); /v1/stats then reports the memory split plotted")
+    a.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG to serve as it is (repeatable; e.g. --serve-arg=--policy --serve-arg=host)")
+
+
+def _main_agent(args) -> int:
+    from ftjax.bench.agent import AgentSettings, run_agent
+
+    bad = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}" for n in ("turns", "max_tokens")
+           if getattr(args, n) is not None and getattr(args, n) < 1]
+    if args.scale is not None and not args.scale > 0:
+        bad.append(f"--scale must be positive, got {args.scale}")
+    if bad:
+        print(f"ftjax bench agent: error: {bad[0]}", file=sys.stderr)
+        return 2
+    kw = {k: v for k, v in (("turns", args.turns), ("scale", args.scale), ("max_tokens", args.max_tokens))
+          if v is not None}
+    kw.update(modes=tuple(dict.fromkeys(args.modes)), workloads=tuple(dict.fromkeys(args.workloads)),
+              model=args.model, port=args.port, timeout_s=args.timeout_s, warmup=not args.no_warmup,
+              device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg))
+    settings = AgentSettings.quick(**kw) if args.quick else AgentSettings(**kw)
+    summary = run_agent(args.out, settings)
+    print(json.dumps(summary, separators=(",", ":"), default=str), flush=True)
+    return 1 if summary["errors"] or "ok" not in summary["modes"].values() else 0
 
 
 def main_bench(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if args.command == "agent":
+        return _main_agent(args)
     from ftjax.bench.paper import PaperSettings, run_paper
 
     kw = {"threads": args.threads}

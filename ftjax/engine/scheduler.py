@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.engine.memory import tree_bytes
 from ftjax.engine.session import MIN_CAPACITY, Sampling, _first_tokens, bucket
 from ftjax.models.common import resize_state
 
@@ -67,6 +68,7 @@ class Job:
     banned: frozenset = frozenset()
     cancelled: bool = False
     new_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the state cache, not prefilled
 
 
 @dataclass(eq=False)
@@ -85,6 +87,7 @@ class _Prefill:
     job: Job
     session: object
     done: int = 0  # prompt tokens fed
+    snapshots: list[int] = field(default_factory=list)  # positions after which the state cache takes one
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -110,10 +113,11 @@ def _put_row(state, row, slot):
 
 
 class Scheduler:
-    def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256):
+    def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
+        self.state_cache = state_cache  # engine.state_cache.StateCache, or None
         self.buckets = batch_buckets(max_batch)
         self.capacities = capacity_buckets(model.max_seq_len)
         self.eos = model.eos_ids
@@ -125,6 +129,9 @@ class Scheduler:
         self._cap = 0
         self._counts = collections.Counter()
         self.lock = threading.Lock()  # held for each step: readers of the model's telemetry take it too
+        self.memory = model.memory  # engine.memory.DeviceMemory or None
+        if self.memory is not None:
+            self.memory.register(self)
 
     # ---- any thread --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -153,6 +160,25 @@ class Scheduler:
                     continue
             with self.lock:
                 self.step()
+
+    def device_state_bytes(self) -> int:
+        """The batched state's bytes (for the elastic memory budget)."""
+        return tree_bytes(self._state)
+
+    def need_bytes(self, job: Job) -> int:
+        """Device bytes admitting a job adds at its peak (when it joins the batch): its
+        prefill session's state plus the batched state's growth (a row, maybe more rows
+        and a larger capacity for all)."""
+        cap = self._capacity(job.prompt.size + job.max_new_tokens)
+        session = self.memory.state_bytes(cap)
+        if self._state is None:
+            return session  # the batch adopts the session's state
+        return session + self._batch_growth(cap)
+
+    def _batch_growth(self, cap: int) -> int:
+        """Bytes the batched state grows by when a row of capacity `cap` joins it."""
+        rows = len(self._rows) if None in self._rows else next(b for b in self.buckets if b > len(self._rows))
+        return self.memory.state_bytes(max(cap, self._cap), rows) - self.device_state_bytes()
 
     def busy(self) -> bool:
         return bool(self._queue) or self._prefill is not None or any(self._rows)
@@ -186,8 +212,9 @@ class Scheduler:
         for j in gone:
             self._finish(j, "cancelled")
         if self._prefill is not None and self._prefill.job.cancelled:
-            job, self._prefill = self._prefill.job, None
-            self._finish(job, "cancelled")
+            p, self._prefill = self._prefill, None
+            p.session.close()
+            self._finish(p.job, "cancelled")
         for b, r in enumerate(self._rows):
             if r is not None and r.job.cancelled:
                 self._leave(b, "cancelled")
@@ -200,15 +227,27 @@ class Scheduler:
             with self._cv:
                 if not self._queue or live >= self.max_batch:
                     return
-                job = self._queue.popleft()
-            s = self.model.session()
-            s.reserve(self._capacity(job.prompt.size + job.max_new_tokens))
-            self._prefill = _Prefill(job, s)
+                job = self._queue[0]
+                if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
+                    return  # waits for running rows to leave (it fits alone: checked at submission)
+                self._queue.popleft()
+            cap = self._capacity(job.prompt.size + job.max_new_tokens)
+            s, done, snapshots = self.model.session(), 0, []
+            if self.state_cache is not None:
+                s, done = self.state_cache.restore(job.prompt, cap)
+                snapshots = [b for b in self.state_cache.boundaries(job.prompt) if b > done]
+            job.cached_tokens = done
+            s.reserve(cap)
+            self._prefill = _Prefill(job, s, done, snapshots)
             self._counts["admitted"] += 1
         p = self._prefill
-        chunk = p.job.prompt[p.done:p.done + self.prefill_chunk]
-        p.session.append(chunk)
-        p.done += chunk.size
+        end = min(p.done + self.prefill_chunk, p.job.prompt.size, *p.snapshots[:1])  # a chunk ends at a snapshot
+        if end > p.done:
+            p.session.append(p.job.prompt[p.done:end])
+            p.done = end
+        if p.snapshots and p.done == p.snapshots[0]:
+            p.snapshots.pop(0)
+            self.state_cache.insert(p.session, "prompt" if p.done == p.job.prompt.size else "boundary")
         if p.done == p.job.prompt.size:
             self._prefill = None
             self._join(p.job, p.session)
@@ -231,14 +270,22 @@ class Scheduler:
         row = _Row(job, pos=job.prompt.size, token=tok, budget=budget, end=job.prompt.size + budget, key=key,
                    forced=forced)
         if self._emit(row, tok):
+            session.close()  # done at its first token: its state goes (the expert cache may grow back)
             return
         self._place(row, session)
 
     def _place(self, row: _Row, session) -> None:
         cap = self._capacity(max([row.end] + [r.end for r in self._rows if r is not None]))
-        if self._state is None:
-            self._state, self._rows, self._cap = self.model.new_state(1, cap), [None], cap
-        elif cap > self._cap:
+        if self._state is None:  # the batch of one adopts the session's state
+            self._state = session._state if session.capacity == cap else \
+                resize_state(self.model.config, session._state, cap)
+            session._state = None
+            self._rows, self._cap = [row], cap
+            self._counts["peak_active"] = max(self._counts["peak_active"], 1)
+            return
+        if self.memory is not None:  # the expert cache yields before the batched state grows
+            self.memory.make_room(self._batch_growth(cap), "the batched state")
+        if cap > self._cap:
             self._state, self._cap = resize_state(self.model.config, self._state, cap), cap
         if None not in self._rows:
             self._resize_rows(next(b for b in self.buckets if b > len(self._rows)))
@@ -249,6 +296,8 @@ class Scheduler:
         self._state = _put_row(self._state, state, slot)
         self._rows[slot] = row
         self._counts["peak_active"] = max(self._counts["peak_active"], sum(r is not None for r in self._rows))
+        if self.memory is not None:
+            self.memory.rebalance()  # the prefill session's state is now part of the batch
 
     def _capacity(self, tokens: int) -> int:
         return next(c for c in self.capacities if c >= min(tokens, self.model.max_seq_len))
@@ -266,12 +315,15 @@ class Scheduler:
 
     def _compact(self) -> None:
         live = [b for b, r in enumerate(self._rows) if r is not None]
+        before = len(self._rows)
         if not live:
             self._rows, self._state, self._cap = [], None, 0
-            return
-        n = next(b for b in self.buckets if b >= len(live))
-        if n < len(self._rows):
-            self._resize_rows(n, live)
+        else:
+            n = next(b for b in self.buckets if b >= len(live))
+            if n < len(self._rows):
+                self._resize_rows(n, live)
+        if self.memory is not None and len(self._rows) < before:
+            self.memory.rebalance()  # the batched state shrank: the expert cache grows back
 
     def warmup(self) -> float:
         """Compile the programs the loop meets (prefill chunk x capacity, decode and row
@@ -293,6 +345,8 @@ class Scheduler:
                                       np.zeros(Bp, np.float32), zeros, np.ones(Bp, np.float32))
                 m._xstate = out[3]
                 jax.block_until_ready(out[0])
+        if self.state_cache is not None:
+            self.state_cache.warmup(self.capacities)
         m.clear_expert_cache()
         m.reset_stats()
         return time.perf_counter() - t0

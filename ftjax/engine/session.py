@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.engine.memory import tree_bytes
 from ftjax.engine.sampling import sample
 from ftjax.engine.telemetry import Timing
 from ftjax.models.common import resize_state
@@ -173,6 +174,8 @@ class Session:
         self._next_logits = None  # [1, V] device array
         self.timing = Timing()
         self.last_generation: GenerationStats | None = None
+        if model.memory is not None:
+            model.memory.register(self)  # its state counts in the device budget while it lives
         if snapshot is not None:
             self._restore(snapshot)
 
@@ -202,11 +205,25 @@ class Session:
         if self._state is not None and need <= self._capacity:
             return
         cap = min(m.max_seq_len, bucket(need, MIN_CAPACITY))
+        if m.memory is not None:  # the expert cache yields first (or DeviceMemoryError, nothing changed)
+            m.memory.make_room(m.memory.state_bytes(cap) - self.device_state_bytes(), f"a session state of {cap} tokens")
         if self._state is None:
             self._state = m.new_state(1, cap)
         else:
             self._state = resize_state(m.config, self._state, cap)
         self._capacity = cap
+
+    def device_state_bytes(self) -> int:
+        """Bytes of device memory its state holds (for the elastic memory budget)."""
+        return tree_bytes(self._state)
+
+    def close(self) -> None:
+        """Release the state now (the expert cache may grow back into it); the session
+        keeps its ids but can no longer be continued."""
+        self._state, self._capacity, self._fed, self._next_logits = None, 0, 0, None
+        self._ids = []
+        if self.model.memory is not None:
+            self.model.memory.rebalance()
 
     def _check_room(self, n: int) -> None:
         if self.position + n > self.model.max_seq_len:
@@ -279,6 +296,8 @@ class Session:
         """An independent copy: both sessions then continue separately."""
         other = Session(self.model)
         if self._state is not None:
+            if self.model.memory is not None:
+                self.model.memory.make_room(self.device_state_bytes(), "a forked session state")
             other._state = jax.tree.map(jnp.copy, self._state)
         other._capacity, other._ids, other._fed = self._capacity, list(self._ids), self._fed
         other._next_logits = self._next_logits
@@ -308,10 +327,20 @@ class Session:
         got = jax.tree.map(lambda a: a.shape, snap.state)
         if got != expected:
             raise ValueError(f"snapshot state does not match this model's layers: {got} vs {expected}")
-        self._capacity = min(m.max_seq_len, bucket(n + 1, MIN_CAPACITY))
-        self._state = resize_state(m.config, jax.tree.map(jnp.asarray, tuple(snap.state)), self._capacity)
-        self._ids, self._fed = list(snap.ids), n
-        self._next_logits = jnp.asarray(snap.next_logits)[None]
+        self._adopt(tuple(snap.state), snap.ids, snap.next_logits)
+
+    def _adopt(self, state: tuple, ids: Sequence[int], next_logits, capacity: int | None = None) -> None:
+        """Take a state holding `ids` (host or device arrays; capacity len(ids), or
+        `capacity` when it was built at its final size: then it is not resized) and the
+        logits [V] after the last of them."""
+        m, n = self.model, len(ids)
+        cap = capacity or min(m.max_seq_len, bucket(n + 1, MIN_CAPACITY))
+        if m.memory is not None:
+            m.memory.make_room(m.memory.state_bytes(cap) - self.device_state_bytes(), f"a restored state of {cap} tokens")
+        self._capacity = cap
+        self._state = resize_state(m.config, jax.tree.map(jnp.asarray, state), self._capacity)
+        self._ids, self._fed = [int(t) for t in ids], n
+        self._next_logits = jnp.asarray(next_logits, jnp.float32)[None]
 
     # ---- generation ------------------------------------------------------------------------
     def generate_stream(self, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

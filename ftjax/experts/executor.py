@@ -17,7 +17,8 @@ prefill: all prompt tokens of the layer). State (a pytree of device arrays, dona
 through the step):
     cache      {"gate_up": [slots, 2F, D], "down": [slots, D, F]}   storage dtype
     slot_of    [Lm*E] int32   global expert id (layer*E + e) -> slot, -1 = not resident
-    id_of_slot [slots] int32  slot -> global expert id, -1 = free
+    id_of_slot [slots] int32  slot -> global expert id, -1 = free, -2 = disabled (the
+                              elastic memory manager took it back: never filled)
     stamp      [Lm*E] int32   last record that selected the expert (0 = never)
     t          [] int32       record counter
     codes      [Lm, E] int8   this step's outcome per expert: 0 unused, 1 hit,
@@ -154,6 +155,7 @@ def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Arr
 
 
 _BIG = int(np.iinfo(np.int32).max)  # sorts after every stamp, id and slot
+FREE, DISABLED = -1, -2  # id_of_slot of a slot holding no expert: free to fill / taken back
 
 
 def outcome_codes(hit, fetched, host) -> jax.Array:
@@ -188,7 +190,7 @@ def lru_few(a, sel, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot,
     slot, last = slot_of[g], stamp[g]
     hit, miss = first & (slot >= 0), first & (slot < 0)
     n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
-    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
+    q = jnp.minimum(q_of_misses[n_miss], jnp.sum(id_of_slot != DISABLED) - n_hit)  # active slots, not all
     # rule 3: the q misses used most recently (never = stamp 0 = oldest), ties -> lower id;
     # before[j, j'] = j' comes before j in that order
     before = (last[None, :] > last[:, None]) | ((last[None, :] == last[:, None]) & (a[None, :] < a[:, None]))
@@ -201,10 +203,10 @@ def lru_few(a, sel, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot,
     do = pick < jnp.sum(fetched)  # [P]
     expert = jnp.sum(jnp.where(fetched[None, :] & (order[None, :] == pick[:, None]), a[None, :], 0), axis=1)  # [P]
     occupant = id_of_slot  # [slots]
-    free = occupant < 0
+    free = occupant == FREE
     needed = jnp.any(hit[None, :] & (g[None, :] == occupant[:, None]), axis=1)  # [slots] residents in U
     victim = victim_slots(
-        k1=jnp.where(free, -1, jnp.where(needed, _BIG, stamp[jnp.maximum(occupant, 0)])),
+        k1=jnp.where(free, -1, jnp.where(needed | (occupant == DISABLED), _BIG, stamp[jnp.maximum(occupant, 0)])),
         k2=jnp.where(free, jnp.arange(slots, dtype=jnp.int32), occupant),
         slot_of=slot_of, count=P)  # [P]
     evicted = occupant[victim]  # [P] (-1: was free)
@@ -244,7 +246,7 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     resident = slot_of[gidx] >= 0
     hit, miss = sel & resident, sel & ~resident
     n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
-    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
+    q = jnp.minimum(q_of_misses[n_miss], jnp.sum(id_of_slot != DISABLED) - n_hit)  # active slots, not all
 
     # fetched = the q misses used most recently (never = stamp 0 = oldest), ties -> lower id
     recency = jnp.where(miss, -stamp[gidx], _BIG)
@@ -253,12 +255,13 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     fetched = miss & (rank < q)
     host = miss & ~fetched
 
-    # victim order: free slots (by index), then residents not in U by (stamp, global id)
+    # victim order: free slots (by index), then residents not in U by (stamp, global id);
+    # residents in U and disabled slots never
     occupant = id_of_slot  # [slots]
-    free = occupant < 0
+    free, disabled = occupant == FREE, occupant == DISABLED
     occ = jnp.maximum(occupant, 0)
-    needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free
-    klass = jnp.where(free, 0, jnp.where(needed, 2, 1))
+    needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free & ~disabled
+    klass = jnp.where(free, 0, jnp.where(disabled, 3, jnp.where(needed, 2, 1)))
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
     candidates = jnp.lexsort((jnp.where(free, 0, occ), jnp.where(free, slot_ids, stamp[occ]), klass))
     fetch_pos = jnp.cumsum(fetched) - 1  # i-th fetched expert in ascending id order
@@ -297,6 +300,39 @@ def copy_in_loop(cache, pool, layer, fetched, target):
         return copy_expert(cache, pool, layer, e, target[e])
 
     return jax.lax.fori_loop(0, jnp.sum(fetched), body, cache)
+
+
+@jax.jit
+def set_active_slots(state: dict[str, Any], n: jax.Array) -> dict[str, Any]:
+    """The executor state with exactly n slots active (n as data: one compile for every
+    resize, no change to the steps). Shrinking disables free slots first, then the
+    least recently used residents (evicted: their experts run where a miss runs until
+    fetched again; the host pool is the source of truth, so output is unchanged);
+    growing re-enables disabled slots, lowest index first, as free slots."""
+    id_of_slot, slot_of, stamp = state["id_of_slot"], state["slot_of"], state["stamp"]
+    S = id_of_slot.shape[0]
+    n = jnp.clip(n, 0, S)
+    disabled = id_of_slot == DISABLED
+    active = S - jnp.sum(disabled)
+    slot_ids = jnp.arange(S, dtype=jnp.int32)
+    occ = jnp.maximum(id_of_slot, 0)
+    # shrink order: free (by index), residents (by stamp, id); disabled ones last
+    klass = jnp.where(id_of_slot == FREE, 0, jnp.where(disabled, 2, 1))
+    order = jnp.lexsort((jnp.where(id_of_slot >= 0, occ, slot_ids), jnp.where(id_of_slot >= 0, stamp[occ], slot_ids),
+                         klass))
+    rank = jnp.zeros(S, jnp.int32).at[order].set(slot_ids)
+    off = ~disabled & (rank < active - n)  # [S] slots to disable
+    grow_rank = jnp.cumsum(disabled) - 1  # i-th disabled slot by index
+    on = disabled & (grow_rank < n - active)  # [S] slots to re-enable
+    evicted = jnp.where(off & (id_of_slot >= 0), id_of_slot, slot_of.shape[0])
+    slot_of = slot_of.at[evicted].set(FREE, mode="drop")
+    id_of_slot = jnp.where(off, DISABLED, jnp.where(on, FREE, id_of_slot))
+    return {**state, "slot_of": slot_of, "id_of_slot": id_of_slot}
+
+
+def active_slots(state: dict[str, Any]) -> int:
+    """Slots the executor may fill (all of them unless the memory manager took some back)."""
+    return int(np.sum(np.asarray(state["id_of_slot"]) != DISABLED)) if "id_of_slot" in state else 0
 
 
 class Executor:

@@ -25,6 +25,7 @@ Design
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -171,3 +172,45 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 def resize_state(cfg: ModelConfig, state: State, max_len: int) -> State:
     """The same state with its sequence capacity grown (zeros) or trimmed to `max_len`."""
     return tuple(kind_class(cfg.layer_kind(i)).resize_state(s, max_len) for i, s in enumerate(state))
+
+
+
+@partial(jax.jit, static_argnames=("cfg", "size"))
+def take_segment(cfg: ModelConfig, state: State, start: jax.Array, size: int) -> State:
+    """What row 0 of a state holds for tokens [start, start + size): each kind's per-token
+    leaves (`SEQ_AXES`) gathered at those positions (past the end: the last row again),
+    every fixed leaf whole (its value at the state's position). `size` is static and
+    `start` data, so one compile serves every start (callers round sizes up to a
+    bucket); the result is a new buffer."""
+    def take(kind, layer):
+        axes = kind_class(kind).SEQ_AXES
+        out = {}
+        for name, a in layer.items():
+            if name in axes:
+                idx = jnp.minimum(start + jnp.arange(size), a.shape[axes[name]] - 1)
+                out[name] = jnp.take(a, idx, axis=axes[name])
+            else:
+                out[name] = a
+        return out
+    return tuple(take(cfg.layer_kind(i), layer) for i, layer in enumerate(state))
+
+
+@partial(jax.jit, static_argnames=("cfg", "last"), donate_argnums=(1,))
+def put_segment(cfg: ModelConfig, state: State, segment: State, offset: jax.Array, last: bool) -> State:
+    """Write a segment (`take_segment`) into row 0 of a state at token `offset` (rows
+    past the capacity dropped); `last`: its fixed leaves become the state's. Segments
+    written in order rebuild the state they were taken from: a segment's padding rows
+    land where the next one writes, or past the position (never attended)."""
+    def put(kind, dst, seg):
+        axes = kind_class(kind).SEQ_AXES
+        out = {}
+        for name, a in dst.items():
+            if name in axes:
+                ax = axes[name]
+                idx = offset + jnp.arange(seg[name].shape[ax])
+                index = (slice(None),) * ax + (idx,)
+                out[name] = a.at[index].set(seg[name].astype(a.dtype), mode="drop")
+            else:
+                out[name] = seg[name].astype(a.dtype) if last else a
+        return out
+    return tuple(put(cfg.layer_kind(i), d, g) for i, (d, g) in enumerate(zip(state, segment)))

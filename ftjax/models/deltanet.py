@@ -158,6 +158,8 @@ class GatedDeltaNet(nnx.Module):
     w_qkvz / w_ba (Qwen3-Next's per-key-head grouping); conv_w [C, 1, K]; dt_bias, A_log [Hv];
     norm_w [dv]; w_out [Hv·dv, D]."""
 
+    SEQ_AXES: dict[str, int] = {}  # conv and ssm summarise every token so far
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
         dn = cfg.deltanet
         if dn is None:

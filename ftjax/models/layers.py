@@ -6,10 +6,14 @@ the kind. A kind is an `nnx.Module` class with
 
     init_state(cfg, layer, batch, max_len, dtype) -> state pytree   (every leaf: batch on axis 0)
     resize_state(state, max_len) -> state                     (grow or trim the capacity)
+    SEQ_AXES {leaf name: axis}   the leaves that hold one entry per token (e.g. K and V,
+                                 axis 2); every other leaf is a fixed-size summary of all
+                                 tokens so far (a recurrent state)
     __call__(x [B, T, D], step: Step, state) -> (out [B, T, D], state)
 
 so the session engine can create, grow, stack (batch), split, snapshot and restore any
-kind's state without knowing what is inside. Full attention's state is its KV cache;
+kind's state without knowing what is inside; the state cache (`engine.state_cache`) cuts
+the per-token leaves into segments between snapshots and keeps fixed leaves whole. Full attention's state is its KV cache;
 a recurrent kind (Gated DeltaNet) or a latent cache (MLA) registers the same way.
 
 Kinds
@@ -121,17 +125,17 @@ def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posi
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
-HOST_KERNEL_MAX_QUERIES = 3  # query heads per KV head up to which the host kernel wins (measured)
+HOST_KERNEL_DECODE = True  # decode attention through the host kernel on the CPU backend (benchmarks flip it)
 
 
 def attend(q, cache_k, cache_v, positions, kv_len, window: int = 0) -> jax.Array:
-    """Attention for a layer call: on the CPU backend, for decode (T = 1) when each KV head
-    serves at most 3 query heads (e.g. OLMoE's 16/16), the C++ kernel through the
-    host boundary (`ftjax.host.attention`: reads the keys in use at memory speed, 16-21
-    GB/s here vs 7-12 for the XLA form at 4k-32k keys); otherwise `blocked_attention`
-    (XLA, any backend; faster on this CPU once a KV head has 4+ queries to amortise)."""
+    """Attention for a layer call: on the CPU backend, for decode (T = 1), the C++ kernel
+    through the host boundary (`ftjax.host.attention`: reads each KV head's rows in use
+    once for all its query heads; at 32k keys, per layer, bf16: 16 heads x 128 15 ms,
+    GQA 32/4 8 ms vs 19 ms for the XLA form); otherwise `blocked_attention` (XLA, any
+    backend; prompt chunks, where T queries per key row make it a GEMM)."""
     B, T, H, hd = q.shape
-    if jax.default_backend() == "cpu" and T == 1 and H // cache_k.shape[1] <= HOST_KERNEL_MAX_QUERIES:
+    if jax.default_backend() == "cpu" and T == 1 and HOST_KERNEL_DECODE:
         return host.attention(q, cache_k, cache_v, positions, kv_len, window)
     return blocked_attention(q, cache_k, cache_v, positions, kv_len, window)
 
@@ -151,12 +155,13 @@ def reference_attention(q, cache_k, cache_v, positions, window: int = 0) -> jax.
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 1) -> jax.Array:
     """cache [B, ..., S (axis), ...] with new [B, ..., T, ...] written at row b from start[b]
     (in place when the cache is donated). One row: a dynamic_update_slice; several: the
-    same, vmapped."""
-    if cache.dtype == jnp.bfloat16:  # write the bits: XLA's CPU backend would widen the whole
-        # bf16 cache to f32 and back around a bf16 dynamic-update-slice, every step
-        bits = lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)  # noqa: E731
-        return jax.lax.bitcast_convert_type(write_rows(bits(cache), bits(new), start, axis), jnp.bfloat16)
+    same, vmapped. A bf16 KV cache [B, G, S, hd] on the CPU backend goes through the host
+    boundary's row write instead: XLA's CPU backend rewrites the whole bf16 cache around
+    a bf16 dynamic-update-slice (widened to f32, or as a bitcast fused with the update),
+    every step."""
     new = new.astype(cache.dtype)
+    if cache.dtype == jnp.bfloat16 and axis == 2 and cache.ndim == 4 and jax.default_backend() == "cpu":
+        return host.write_rows(cache, new, start)
     if cache.shape[0] == 1:
         return jax.lax.dynamic_update_slice_in_dim(cache, new, start[0], axis=axis)
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(cache, new, start)
@@ -175,6 +180,8 @@ def resize_axis(a: jax.Array, size: int, axis: int) -> jax.Array:
 @layer_kind("attention")
 class Attention(nnx.Module):
     """GQA attention with RoPE, optional q/k norms, biases, clipping and sliding window."""
+
+    SEQ_AXES = {"k": 2, "v": 2}
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
         D, H, G, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -190,7 +190,16 @@ def _message(engine: Engine, mid: str, content: list, done: Done | None, prompt_
     reason, seq = _stop(done, any(b["type"] == "tool_use" for b in content)) if done else (None, None)
     return {"id": mid, "type": "message", "role": "assistant", "model": engine.model_id, "content": content,
             "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": done.completion_tokens if done else 0}}
+            "usage": _usage(done, prompt_tokens)}
+
+
+def _usage(done: Done | None, prompt_tokens: int) -> dict:
+    """Anthropic's split: input_tokens are the prompt tokens prefilled, cache_read_input_tokens
+    those restored from the state cache (known once the request is admitted: a stream's
+    message_start says 0 read, its message_delta the real split)."""
+    cached = done.cached_tokens if done else 0
+    return {"input_tokens": prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": done.completion_tokens if done else 0}
 
 
 async def response(engine: Engine, gen: Generation, disconnected) -> dict:
@@ -257,7 +266,7 @@ async def stream(engine: Engine, gen: Generation, keepalive_s: float):
                     yield s
                 reason, seq = _stop(e, blocks.tool_use)
                 yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                               "usage": {"output_tokens": e.completion_tokens}})
+                                               "usage": _usage(e, gen.prompt_tokens)})
                 yield _event("message_stop", {})
     finally:
         gen.cancel()

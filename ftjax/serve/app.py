@@ -17,6 +17,7 @@ same shape, and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 
@@ -63,7 +64,12 @@ def _sse(events) -> StreamingResponse:
 
 
 def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 5.0) -> FastAPI:
-    app = FastAPI(title="ftjax", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.close()  # on shutdown, before uvicorn re-raises SIGTERM: the state cache's disk tier is written
+
+    app = FastAPI(title="ftjax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(ServeError)
     async def refused(request: Request, e: ServeError):
@@ -126,16 +132,18 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftjax-default", max_batch: int = 4,
           prefill_chunk: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 5.0,
-          warmup: bool = False) -> None:
-    """Run the server until interrupted; `warmup` compiles the engine's programs first."""
+          warmup: bool = False, state_cache=None) -> None:
+    """Run the server until interrupted; `warmup` compiles the engine's programs first.
+    state_cache: an `engine.state_cache.StateCache` or None (off)."""
     import uvicorn
 
-    engine = Engine(model, model_id, max_batch, prefill_chunk)
+    engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache)
     if warmup:
         print(f"ftjax serve: compiled the engine's programs in {engine.scheduler.warmup():.1f} s", file=sys.stderr,
               flush=True)
     engine.start()
-    print(f"ftjax serve: {model_id} (context {engine.context}, max batch {max_batch}) on http://{host}:{port} "
+    cache = f"state cache {state_cache.mode}" if state_cache is not None else "no state cache"
+    print(f"ftjax serve: {model_id} (context {engine.context}, max batch {max_batch}, {cache}) on http://{host}:{port} "
           f"- OpenAI: {host}:{port}/v1, Anthropic: {host}:{port}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(create_app(engine, max_body_bytes, keepalive_s), host=host, port=port, log_level="warning")

@@ -90,6 +90,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None
+    cached_tokens: int = 0  # prompt tokens the state cache restored (not prefilled)
 
 
 def new_id() -> str:
@@ -257,7 +258,8 @@ class Generation:
 
     def _on_done(self, reason: str) -> None:
         events = self.parser.finish() if not reason.startswith("error") else []
-        self._put(events + [Done(reason, self.prompt_tokens, self.job.new_tokens, self.stop_sequence)])
+        self._put(events + [Done(reason, self.prompt_tokens, self.job.new_tokens, self.stop_sequence,
+                                 self.job.cached_tokens)])
 
     def cancel(self) -> None:
         self.engine.scheduler.cancel(self.job)
@@ -310,11 +312,14 @@ async def collect(gen: Generation, disconnected, poll_s: float = 0.25) -> Result
 # ---- the engine: model + scheduler thread ------------------------------------------------------
 
 class Engine:
-    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256):
+    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None):
+        """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
+        whole); the engine owns it from here (its thread uses it; `close` persists it)."""
         if model.tokenizer is None:
             raise ValueError("ftjax serve needs a model folder with tokenizer.json")
         self.model, self.model_id, self.tokenizer = model, model_id, model.tokenizer
-        self.scheduler = Scheduler(model, max_batch, prefill_chunk)
+        self.state_cache = state_cache
+        self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="ftjax-engine",
                                         daemon=True)
@@ -324,8 +329,13 @@ class Engine:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the engine thread, then persist the state cache (once; idempotent)."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        if self.state_cache is not None and not self._thread.is_alive():
+            cache, self.state_cache = self.state_cache, None
+            cache.close()  # the disk tier (if any) keeps the sessions for the next start
 
     @property
     def context(self) -> int:
@@ -378,6 +388,14 @@ class Engine:
             raise ServeError(f"prompt of {len(ids)} tokens does not fit the context of {self.context} tokens "
                              f"(leave room for at least one new token)", param="messages")
         forced, banned = self._controls(req)
+        memory = self.model.memory
+        if memory is not None:  # a request that cannot fit even alone, with no expert cached, is refused here
+            need = memory.state_bytes(self.scheduler._capacity(len(ids) + req.max_tokens))
+            if need > memory.room_alone():
+                raise ServeError(f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} needs a state of "
+                                 f"{need / 2**20:.1f} MiB, more than the device memory budget leaves "
+                                 f"({memory.room_alone() / 2**20:.1f} MiB after weights and prefill scratch)",
+                                 param="max_tokens")
         return self.model.check_ids(ids), forced, banned
 
     def count(self, req: ChatRequest) -> int:
@@ -394,10 +412,13 @@ class Engine:
         m = self.model
         with self.scheduler.lock:
             model_stats = m.stats()
+            cache = self.state_cache.stats() if self.state_cache is not None else {"mode": "off"}
+            split = m.memory.split() if m.memory is not None else None
         bw = m.bandwidth
         return {"model": self.model_id, "uptime_s": round(time.time() - self.started_at, 1),
                 "experts": {**model_stats, "B_P_gbps": bw[0] if bw else None, "B_H_gbps": bw[1] if bw else None},
-                "sessions": self.scheduler.stats(), "memory": memory_stats()}
+                "sessions": self.scheduler.stats(), "state_cache": cache, "memory_split": split,
+                "memory": memory_stats()}
 
 
 def memory_stats() -> dict:

@@ -165,7 +165,8 @@ def completion_request(body, engine: Engine) -> tuple[CompletionRequest, ChatReq
 
 def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def _finish(done: Done, tool_calls: bool) -> str:

@@ -1,0 +1,176 @@
+"""Elastic device memory: one byte budget for everything a model keeps on the device.
+
+    budget >= weights          non-expert parameters (+ the whole expert pool under `device`)
+            + states           every live session's state (KV cache, recurrent state), the
+                               server's batched state, the state cache's device tier
+            + prefill scratch  XLA's own temp-buffer size for the largest prompt chunk
+                               (measured from the compiled prefill program: activations,
+                               attention blocks, widened weights), + the double buffer of
+                               a streamed layer when prompts stream; reserved up front, so
+                               a prefill is never admitted to fail halfway
+            + expert cache     active slots x bytes per slot: the elastic part
+
+States grow with the conversation; the expert cache gives way. Before a state grows,
+`make_room(extra)` shrinks the cache to what is left (its least recently used residents
+go first; the host pool is the source of truth, so tokens are unchanged, only where
+experts run changes); when states shrink, `rebalance()` grows it back. Resizing does not
+recompile: the cache keeps its compiled slot capacity and the number of *active* slots
+is data (`experts.executor.set_active_slots`: disabled slots are never filled). A growth
+that cannot fit even with no expert slot at all raises `DeviceMemoryError` before any
+allocation, with the split in the message; nothing already held is touched.
+
+What is physical and what is accounting: on the CPU backend the "device" is host RAM and
+the budget is configured (`--device-memory-gb`, `load(device_memory_bytes=...)`). The
+cache buffer keeps its compiled size, so the bytes of disabled slots are yielded in the
+budget, not returned to the allocator; on an accelerator, returning them means
+re-allocating the cache at a smaller capacity (one compile per capacity) — not done here.
+
+Holders (sessions, the scheduler, the state cache) register themselves and report
+`device_state_bytes()`; the manager sums them when asked, so a dropped session stops
+counting as soon as it is gone (`Session.close()` releases at once).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.experts.executor import active_slots, set_active_slots
+
+if TYPE_CHECKING:
+    from ftjax.model import Model
+
+
+class DeviceMemoryError(ValueError):
+    """A state would not fit the device budget even with an empty expert cache."""
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def device_budget() -> int | None:
+    """The accelerator's usable bytes (its allocator's limit), None on the CPU backend
+    (there the budget is configured)."""
+    if jax.default_backend() == "cpu":
+        return None
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def prefill_scratch_bytes(model: Model, tokens: int) -> int:
+    """XLA's temp-buffer bytes for prefilling a `tokens`-token chunk into a state of the
+    model's full context (AOT-compiled once; measured, not estimated), plus the double
+    buffer of one streamed layer's experts when prompts of that length stream."""
+    from ftjax.engine.session import bucket
+
+    T = min(bucket(tokens), model.max_seq_len)
+    state = jax.eval_shape(lambda: model.new_state(1, model.max_seq_len))
+    i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
+    compiled = model._steps.prefill.lower(model._params, state, model._xstate, model._pool_dev,
+                                          jax.ShapeDtypeStruct((1, T), jnp.int32), i32, i32,
+                                          all_logits=False).compile()
+    analysis = compiled.memory_analysis()
+    temp = int(analysis.temp_size_in_bytes) if analysis is not None else 0
+    stream = 0
+    if model._streamed is not None and model.streams(T):
+        stream = 2 * model.config.num_experts * model.checkpoint.pool.expert_bytes
+    return temp + stream
+
+
+class DeviceMemory:
+    def __init__(self, model: Model, budget_bytes: int, prefill_tokens: int | None = None):
+        if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+            raise ValueError(f"device_memory_bytes must be a positive byte count, got {budget_bytes!r}")
+        self.model = model
+        self.budget = int(budget_bytes)
+        self.weights = tree_bytes(model._params) + (tree_bytes(model._pool_dev) if model.policy == "device" else 0)
+        ex = model._steps.executor
+        self.max_slots = ex.slots
+        self.slot_bytes = tree_bytes(model._xstate["cache"]) // ex.slots if ex.slots else 0
+        tokens = prefill_tokens or min(model.prefill_chunk, model.max_seq_len)
+        self.scratch = prefill_scratch_bytes(model, tokens)
+        one, two = (tree_bytes(jax.eval_shape(lambda n=n: model.new_state(1, n))) for n in (1, 2))
+        self._per_token, self._per_row = two - one, 2 * one - two  # a row: fixed leaves + per-token leaves x S
+        self._holders: weakref.WeakSet = weakref.WeakSet()
+        self._active = active_slots(model._xstate)  # kept here: reading it back would sync the device
+        self.counters = {"shrinks": 0, "grows": 0, "refused": 0}
+        fixed = self.weights + self.scratch
+        if fixed > self.budget:
+            raise DeviceMemoryError(f"device memory budget {_mb(self.budget)} is below the weights ({_mb(self.weights)}) "
+                                    f"+ prefill scratch ({_mb(self.scratch)}) alone")
+        self.rebalance()
+
+    # ---- accounting ------------------------------------------------------------------------
+    def register(self, holder) -> None:
+        """`holder.device_state_bytes()` counts as states from now on (while it lives)."""
+        self._holders.add(holder)
+
+    def state_bytes(self, capacity: int, batch: int = 1) -> int:
+        """Bytes of a state of `batch` rows x `capacity` tokens (exact: every leaf is a
+        fixed size or one entry per token)."""
+        return batch * (self._per_row + self._per_token * capacity)
+
+    def room_alone(self) -> int:
+        """Bytes the states may take with no expert cached and nothing else held."""
+        return self.budget - self.weights - self.scratch
+
+    def states(self) -> int:
+        return sum(h.device_state_bytes() for h in list(self._holders))
+
+    def active_slots(self) -> int:
+        return self._active
+
+    def sync(self) -> None:
+        """Re-read the active slots after the executor state was replaced (cache cleared)."""
+        self._active = active_slots(self.model._xstate)
+
+    def split(self) -> dict:
+        slots = self.active_slots()
+        states = self.states()
+        used = self.weights + states + self.scratch + slots * self.slot_bytes
+        return {"budget_bytes": self.budget, "weights_bytes": self.weights, "states_bytes": states,
+                "prefill_scratch_bytes": self.scratch, "expert_cache_bytes": slots * self.slot_bytes,
+                "expert_slots_active": slots, "expert_slots_max": self.max_slots, "free_bytes": self.budget - used,
+                **self.counters}
+
+    def _slots_for(self, states: int) -> int:
+        room = self.room_alone() - states
+        return int(np.clip(room // self.slot_bytes, 0, self.max_slots)) if self.slot_bytes else 0
+
+    # ---- changes ---------------------------------------------------------------------------
+    def make_room(self, extra: int, what: str = "a state") -> None:
+        """Before `extra` more bytes of state are allocated: shrink the expert cache so
+        they fit, or raise DeviceMemoryError (nothing changed) if they cannot."""
+        states = self.states()
+        if states + extra > self.room_alone():
+            self.counters["refused"] += 1
+            raise DeviceMemoryError(
+                f"{what} of {_mb(extra)} does not fit the device memory budget of {_mb(self.budget)}, even with no "
+                f"expert cached: weights {_mb(self.weights)}, states {_mb(states)}, prefill scratch {_mb(self.scratch)}")
+        self._set(self._slots_for(states + extra), allow_grow=False)
+
+    def fits(self, extra: int) -> bool:
+        return self.states() + extra <= self.room_alone()
+
+    def rebalance(self) -> None:
+        """Give the expert cache whatever the states leave (after states shrank)."""
+        self._set(self._slots_for(self.states()), allow_grow=True)
+
+    def _set(self, n: int, allow_grow: bool) -> None:
+        if not self.max_slots:
+            return
+        current = self.active_slots()
+        if n == current or (n > current and not allow_grow):
+            return
+        self.model._xstate = set_active_slots(self.model._xstate, jnp.int32(n))
+        self._active = n
+        self.counters["shrinks" if n < current else "grows"] += 1
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
