@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from ftjax.config import ConfigError, ModelConfig, read_config_json, validate
 from ftjax.experts.pool import HostExpertPool
+from ftjax.experts.storage import FORMATS, QUANTISED_ALIASES
 from ftjax.models import config_from_hf, family
 
 
@@ -66,6 +67,13 @@ CANONICAL: list[tuple[re.Pattern, tuple]] = [
     (re.compile(_L + r"mlp\.gate\.weight"), ("param", "layers.{layer}.moe.w_router", True)),
     (re.compile(_L + r"mlp\.shared_expert\.(?P<p>gate|up|down)_proj\.weight"), ("param", "layers.{layer}.moe.shared.w_{p}", True)),
     (re.compile(_L + r"mlp\.shared_expert_gate\.weight"), ("param", "layers.{layer}.moe.w_shared_gate", True)),
+    (re.compile(_L + r"mlp\.gate\.e_score_correction_bias"), ("param", "layers.{layer}.moe.router_bias", False)),
+    # multi-head latent attention (DeepSeek-V3; `models.mla`): q_proj and o_proj are the rows above
+    (re.compile(_L + r"self_attn\.(?P<p>q_a|q_b|kv_b)_proj\.weight"), ("param", "layers.{layer}.attn.w_{p}", True)),
+    (re.compile(_L + r"self_attn\.kv_a_proj_with_mqa\.weight"), ("param", "layers.{layer}.attn.w_kv_a", True)),
+    (re.compile(_L + r"self_attn\.q_a_proj\.bias"), ("param", "layers.{layer}.attn.b_q_a", False)),
+    (re.compile(_L + r"self_attn\.kv_a_proj_with_mqa\.bias"), ("param", "layers.{layer}.attn.b_kv_a", False)),
+    (re.compile(_L + r"self_attn\.(?P<p>q_a|kv_a)_layernorm\.weight"), ("param", "layers.{layer}.attn.{p}_norm.weight", False)),
     (re.compile(_L + r"linear_attn\.in_proj_(?P<p>qkvz|ba|qkv|z|b|a)\.weight"), ("param", "layers.{layer}.attn.w_{p}", True)),
     (re.compile(_L + r"linear_attn\.conv1d\.weight"), ("param", "layers.{layer}.attn.conv_w", False)),
     (re.compile(_L + r"linear_attn\.(?P<p>dt_bias|A_log)"), ("param", "layers.{layer}.attn.{p}", False)),
@@ -105,6 +113,10 @@ def hf_name(path: str) -> str:
             return template.format(**m.groupdict())
     return path
 
+
+# Small tensors bf16 checkpoints store in float32 anyway (transformers' `_keep_in_fp32_modules`):
+# they do not make the checkpoint a float32 one.
+KEPT_F32 = re.compile(_L + r"mlp\.gate\.e_score_correction_bias")
 
 # Names real checkpoints carry that hold nothing the model needs.
 IGNORED = [re.compile(r".*rotary_emb\.inv_freq")]
@@ -260,11 +272,13 @@ def _to_f32(ref: TensorRef) -> np.ndarray:
 
 
 def _expert_storage(ref: TensorRef, pool_dtype: str) -> np.ndarray:
-    """Tensor in the pool's storage dtype: uint16 bf16 bits or float32."""
-    a = ref.read()
+    """Tensor in the pool's storage: uint16 bf16 bits, float32, or a block format's rows
+    of blocks (quantised here, row by row: the last axis is the dot-product axis)."""
     if pool_dtype == "bfloat16":
-        return a  # only BF16 checkpoints get a bf16 pool
-    return _to_f32(ref)
+        return ref.read()  # only BF16 checkpoints get a bf16 pool
+    if pool_dtype == "float32":
+        return _to_f32(ref)
+    return FORMATS[pool_dtype].from_f32_numpy(_to_f32(ref))
 
 
 def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
@@ -274,11 +288,17 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     expert_dtype: storage of the host expert pool; dense_dtype: storage of the dense
     matrices (attention, router, shared experts, embedding, LM head). Each "bfloat16"
     or "float32"; default: bfloat16 for bf16 checkpoints, float32 otherwise. bfloat16
-    is only kept where the stored tensors are bf16 (no silent rounding).
+    is only kept where the stored tensors are bf16 (no silent rounding). Experts may
+    also be quantised at load: expert_dtype "int8" (= "q8_0") or "int4" (= "q4_0"), the
+    GGUF block formats of `ftjax.experts.storage` (d_model and the expert FFN width must
+    be multiples of 32).
     """
-    for name, value in (("expert_dtype", expert_dtype), ("dense_dtype", dense_dtype)):
-        if value not in (None, "bfloat16", "float32"):
-            raise ValueError(f"{name} must be 'bfloat16' or 'float32', got {value!r}")
+    quantised = {**QUANTISED_ALIASES, **{name: name for name in QUANTISED_ALIASES.values()}}
+    if dense_dtype not in (None, "bfloat16", "float32"):
+        raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
+    if expert_dtype not in (None, "bfloat16", "float32", *quantised):
+        raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0) or 'int4' (q4_0), "
+                         f"got {expert_dtype!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model folder not found")
@@ -287,6 +307,8 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     fam = family(cfg.model_type)
     aliases = fam.KEY_ALIASES
     ignored = [(p, "") for p in IGNORED] + list(getattr(fam, "IGNORED_KEYS", []))
+    if hasattr(fam, "ignored_keys"):  # patterns that depend on the config (e.g. MTP layers past the last layer)
+        ignored += fam.ignored_keys(hf)
     skipped: dict[str, int] = {}  # reason -> tensors skipped for it
 
     refs: dict[str, TensorRef] = {}
@@ -295,9 +317,9 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             if ref.name in refs:
                 raise CheckpointError(f"{path}: tensor {ref.name} also appears in {refs[ref.name].file.name}")
             refs[ref.name] = ref
-    stored = {r.dtype for r in refs.values()}
-    ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
     canon = {name: canonical_name(name, aliases) for name in refs}
+    stored = {r.dtype for name, r in refs.items() if not KEPT_F32.fullmatch(canon[name])}
+    ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
     hits = {name: classify(c) for name, c in canon.items()}
 
     def keeps_bf16(requested: str | None, of_kind) -> bool:
@@ -307,6 +329,7 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         return wanted and all(refs[name].dtype == "BF16" for name in refs if of_kind(name))
 
     pool_dtype = "bfloat16" if keeps_bf16(expert_dtype, lambda name: ".experts." in canon[name]) else "float32"
+    pool_dtype = quantised.get(expert_dtype, pool_dtype)
     packed = keeps_bf16(dense_dtype, lambda name: _packs(hits[name]))
 
     try:
@@ -315,6 +338,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         raise ConfigError(f"{model_dir / 'config.json'}: the model these values describe cannot be built "
                           f"({type(e).__name__}: {e})") from None
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
+    block = FORMATS[pool_dtype].block
+    if (D % block or F % block) and Lm:
+        raise ConfigError(f"expert_dtype {expert_dtype!r} stores blocks of {block} weights: hidden_size ({D}) and the "
+                          f"expert FFN width ({F}) must be multiples of {block}")
     # Pass 1: every name, layer, expert id and shape is checked, and every expected tensor
     # found, before anything is allocated or read (a config claiming huge sizes fails here).
     param_refs: dict[str, tuple[TensorRef, tuple]] = {}  # dotted path -> (ref, classification)
@@ -322,11 +349,13 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     expert_seen: dict[tuple[int, int | None, str], str] = {}  # (moe layer, expert|None, part) -> name
     for name, ref in sorted(refs.items()):
         hit = hits[name]
+        reason = next((why for p, why in ignored if p.fullmatch(canon[name])), None)
+        if reason is not None:
+            if reason:
+                skipped[reason] = skipped.get(reason, 0) + 1
+            continue
         if hit is None:
-            reason = next((why for p, why in ignored if p.fullmatch(canon[name])), None)
-            if reason is not None or (cfg.tie_embeddings and canon[name] == "lm_head.weight"):
-                if reason:
-                    skipped[reason] = skipped.get(reason, 0) + 1
+            if cfg.tie_embeddings and canon[name] == "lm_head.weight":
                 continue
             raise CheckpointError(f"{ref.file}: unexpected tensor {name} (not part of a {cfg.model_type} model)")
         target, groups = hit

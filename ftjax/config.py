@@ -1,8 +1,10 @@
 """Model configuration: one frozen, hashable dataclass built from a Hugging Face config.json.
 
-Design: every family (qwen3_moe, qwen2_moe, mixtral, olmoe) is the same decoder with a
-few switches (q/k norm kind, qkv bias, shared expert, which layers are MoE, sliding
-windows). `ModelConfig` holds those switches as plain data so the model code never
+Design: every family (qwen3_moe, qwen2_moe, mixtral, olmoe, the hybrids, glm4_moe,
+deepseek_v3) is the same decoder with a few switches (q/k norm kind, qkv bias, shared
+expert, which layers are MoE, sliding windows, the router kind, the layer kinds).
+Sub-dataclasses hold what only some families have: `DeltaNetConfig` (linear
+attention), `MLAConfig` (multi-head latent attention), `RopeScaling` (YaRN). `ModelConfig` holds those switches as plain data so the model code never
 branches on `model_type`; each family file only translates its HF config and tensor
 names into this form. Because the dataclass is frozen and hashable it can be closed
 over by jitted functions without retracing.
@@ -53,6 +55,35 @@ class DeltaNetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Sizes of multi-head latent attention (DeepSeek-V2/V3, `ftjax.models.mla`)."""
+
+    q_lora_rank: int | None  # Rq: rank of the query down-projection; None = a plain q_proj
+    kv_lora_rank: int  # R: width of the cached latent c_kv
+    qk_nope_head_dim: int  # dn: per-head query/key dims without RoPE
+    qk_rope_head_dim: int  # dr: per-head query dims with RoPE (the key's are shared by all heads)
+    v_head_dim: int  # dv
+    rope_interleave: bool = True  # RoPE over interleaved pairs (x0, x1), (x2, x3), ... (else rotate-half)
+    softmax_scale: float = 0.0  # scale of q·k; 0 = (dn + dr)^-1/2
+    attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rotary scaling, the parameters transformers' `_compute_yarn_parameters` reads:
+    frequencies interpolated by `factor` below the correction range [beta_slow, beta_fast]
+    rotations over `original_max_position` tokens, extrapolated above it, blended linearly
+    inside; cos and sin are multiplied by `attention_factor`."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward pass needs to know about a checkpoint's architecture."""
 
@@ -86,6 +117,12 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
     rotary_dim: int = 0  # leading dims of each head RoPE rotates (partial rotary); 0 = head_dim
     deltanet: DeltaNetConfig | None = None  # linear-attention sizes of gated_deltanet layers
+    router: str = "softmax"  # "softmax" (softmax, top-k) | "sigmoid_group" (DeepSeek-V3: biased, group-limited)
+    n_group: int = 1  # sigmoid_group: experts form n_group equal groups ...
+    topk_group: int = 1  # ... of which the topk_group best (sum of each group's top-2 biased scores) are eligible
+    routed_scaling_factor: float = 1.0  # sigmoid_group: routed weights are multiplied by this
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE
+    mla: MLAConfig | None = None  # latent-attention sizes of mla layers
 
     # ---- derived sizes ------------------------------------------------------------
     @property
@@ -129,6 +166,42 @@ def rope_theta(hf: dict[str, Any]) -> float:
         raise ConfigError(f"rope_type {rope_type!r} is not supported yet (only the default RoPE)")
     theta = params.get("rope_theta", hf.get("rope_theta"))
     return float(theta if theta is not None else 10000.0)
+
+
+def rope_params(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of a family that supports YaRN: the default RoPE or
+    `rope_type` / `type` "yarn" (v4 `rope_scaling` or v5 `rope_parameters`), read as
+    transformers 5 reads them. Any other kind is a ConfigError naming it."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters must be a JSON object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    theta = float(theta if theta is not None else 10000.0)
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type != "yarn":
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (only the default RoPE and 'yarn')")
+    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
+        or hf_get(hf, "max_position")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else hf_get(hf, "max_position") / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = yarn_mscale(factor)
+    return theta, RopeScaling(
+        factor=factor, original_max_position=int(original), beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1), attention_factor=float(attention),
+        truncate=bool(params.get("truncate", True)))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1·mscale·ln(scale) + 1 (1 when not scaled)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -204,6 +277,18 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     if isinstance(cfg.rotary_dim, bool) or not isinstance(cfg.rotary_dim, int) or not (
             0 <= cfg.rotary_dim <= cfg.head_dim and cfg.rotary_dim % 2 == 0):
         bad("rotary_dim", f"(head_dim x partial_rotary_factor) must be an even integer in 0..head_dim ({cfg.head_dim})")
+    check_router(cfg, bad)
+    check_rope_scaling(cfg, bad)
+    if "mla" in cfg.layer_kinds and cfg.mla is None:
+        bad("mla", "(kv_lora_rank, qk_*_head_dim, v_head_dim) must be given when a layer is latent attention")
+    if cfg.mla is not None:
+        sizes(cfg.mla, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), "latent attention ")
+        if cfg.mla.q_lora_rank is not None:
+            sizes(cfg.mla, ("q_lora_rank",), "latent attention ")
+        if cfg.mla.qk_rope_head_dim % 2:
+            bad("qk_rope_head_dim", "must be even for RoPE", cfg.mla)
+        if not (math.isfinite(cfg.mla.softmax_scale) and cfg.mla.softmax_scale >= 0):
+            bad("softmax_scale", "must be finite and non-negative", cfg.mla)
     dn = cfg.deltanet
     if "gated_deltanet" in cfg.layer_kinds and dn is None:
         bad("deltanet", "(linear_* sizes) must be given when a layer is linear_attention")
@@ -213,3 +298,42 @@ def validate(cfg: ModelConfig) -> ModelConfig:
             raise ConfigError(f"config.json: linear_num_value_heads {dn.num_v_heads} is not a multiple of "
                               f"linear_num_key_heads {dn.num_k_heads}")
     return cfg
+
+
+ROUTERS = ("softmax", "sigmoid_group")
+
+
+def check_router(cfg: ModelConfig, bad) -> None:
+    """The router kind and, for sigmoid_group, a group layout every token can route in:
+    equal groups of at least two experts (a group scores by its top two), at least
+    top_k experts in the kept groups."""
+    if cfg.router not in ROUTERS:
+        bad("router", f"must be one of {ROUTERS}")
+    if cfg.router != "sigmoid_group":
+        return
+    for field in ("n_group", "topk_group"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad(field, "must be a positive integer")
+    if cfg.num_experts % cfg.n_group or cfg.num_experts // cfg.n_group < 2:
+        bad("n_group", f"must split num_experts ({cfg.num_experts}) into equal groups of at least 2")
+    if cfg.topk_group > cfg.n_group:
+        bad("topk_group", f"must be at most n_group ({cfg.n_group})")
+    if cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
+        bad("top_k", f"(num_experts_per_tok) must be at most the experts of topk_group groups "
+                     f"({cfg.topk_group * (cfg.num_experts // cfg.n_group)})")
+    if not (math.isfinite(cfg.routed_scaling_factor) and cfg.routed_scaling_factor > 0):
+        bad("routed_scaling_factor", "must be finite and positive")
+
+
+def check_rope_scaling(cfg: ModelConfig, bad) -> None:
+    y = cfg.rope_scaling
+    if y is None:
+        return
+    for field in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+        value = getattr(y, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            bad(field, "must be finite and positive", y, "rope_scaling ")
+    if isinstance(y.original_max_position, bool) or not isinstance(y.original_max_position, int) or not (
+            0 < y.original_max_position <= MAX_SIZE):
+        bad("original_max_position", f"must be an integer in 1..{MAX_SIZE}", y, "rope_scaling ")

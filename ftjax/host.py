@@ -41,7 +41,11 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import as_f32, bf16_bits_to_f32
+from ftjax.experts.storage import FORMATS, act_q8_numpy, as_f32, bf16_bits_to_f32
+
+# The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
+WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
+                     "q8_0": _hk.DTYPE_Q8_0, "q4_0": _hk.DTYPE_Q4_0}
 
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
@@ -237,9 +241,10 @@ class HostExecutor:
         """Same computation, called directly from numpy (no jit); releases the GIL."""
         x = np.ascontiguousarray(x, np.float32)  # [T, D]
         y = np.empty_like(x) if out is None else out  # [T, D]
+        block = FORMATS[self.pool.dtype].block > 1
         _hk.expert_ffn(self.pool.gate_up, self.pool.down, int(layer), x,
                        np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32),
-                       y, self._threads, self.isa.value)
+                       y, self._threads, self.isa.value, WEIGHT_TYPE_CODES[self.pool.dtype] if block else -1)
         return y
 
     def _ffi_attributes(self) -> dict:
@@ -248,7 +253,7 @@ class HostExecutor:
             gate_up_ptr=np.int64(p.gate_up.ctypes.data), down_ptr=np.int64(p.down.ctypes.data),
             num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
             d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
-            dtype=np.int32(_hk.DTYPE_BF16 if p.dtype == "bfloat16" else _hk.DTYPE_F32),
+            dtype=np.int32(WEIGHT_TYPE_CODES[p.dtype]),
             pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value))
 
     def _ffi_call(self, x, layer, ids, weights):
@@ -301,16 +306,25 @@ def _weights_f64(a: np.ndarray) -> np.ndarray:
 
 
 def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: np.ndarray,
-                         ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+                         ids: np.ndarray, weights: np.ndarray, dtype: str | None = None) -> np.ndarray:
     """numpy (float64) reference of the kernel: gate_up [Lm, E, 2F, D], down
-    [Lm, E, D, F] (float32 or bf16 bits), x [T, D], ids / weights [T, K] -> y [T, D]."""
-    d_ff = down.shape[-1]
+    [Lm, E, D, F] (float32 or bf16 bits; or a block format's uint8 rows, named by
+    `dtype`, dequantised by the gguf package), x [T, D], ids / weights [T, K] -> y [T, D]."""
+    blocks = dtype is not None and FORMATS[dtype].block > 1
+
+    def f64(a):
+        return FORMATS[dtype].to_f32_numpy(a).astype(np.float64) if dtype else _weights_f64(a)
+
+    def act(v):  # block formats meet int8-quantised activations (storage.quantise_activations)
+        return act_q8_numpy(v).astype(np.float64) if blocks else v
+
+    d_ff = gate_up.shape[-2] // 2
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):
         e = ids[t, k]
-        gu = _weights_f64(gate_up[layer, e]) @ x[t]  # [2F]
+        gu = f64(gate_up[layer, e]) @ act(x[t])  # [2F]
         gate, up = gu[:d_ff], gu[d_ff:]
         h = gate / (1.0 + np.exp(-gate)) * up  # [F]
-        y[t] += weights[t, k] * (_weights_f64(down[layer, e]) @ h)
+        y[t] += weights[t, k] * (f64(down[layer, e]) @ act(h))
     return y.astype(np.float32)

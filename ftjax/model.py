@@ -232,7 +232,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
          prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None) -> Model:
-    """Load a Hugging Face MoE checkpoint folder (None = the embedded default model).
+    """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
+    its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
     policy: where experts run (`ftjax.experts.policy.POLICIES`); cache_slots / cache_bytes:
     size of the device expert cache; bandwidth: (B_P, B_H) in GB/s, overriding the
@@ -265,7 +266,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     model_dir = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if path is None and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from {model_dir}")
-    ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
+    if model_dir.suffix == ".gguf" and not model_dir.is_dir():  # one GGUF file (ftjax.gguf_checkpoint)
+        from ftjax.gguf_checkpoint import load_gguf
+        ckpt = load_gguf(model_dir, expert_dtype, dense_dtype)
+    else:
+        ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
     cfg = ckpt.config
     pol = get_policy(policy)
     pool = ckpt.pool
@@ -288,13 +293,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         host = HostExecutor(pool, threads=threads)
         host_fn = host.expert_ffn
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
-                             transfer_ratio=ratio, host_fn=host_fn, frequency=frequency)
+                             transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
     ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
-    tokenizer = None
-    if (model_dir / "tokenizer.json").is_file():
+    tokenizer = getattr(ckpt, "tokenizer", None)  # a GGUF carries its own
+    if tokenizer is None and (model_dir / "tokenizer.json").is_file():
         from ftjax.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(model_dir)
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= cfg.max_position):
@@ -333,6 +338,10 @@ def fingerprint(ckpt: Checkpoint, kv_dtype: str = "float32") -> str:
     """Identity of a loaded model for snapshots: the config, the storage formats, and each
     weight file's name, size, header and first and last 64 KiB."""
     h = hashlib.sha256(repr((ckpt.config, ckpt.dense_dtype, ckpt.pool.dtype, kv_dtype)).encode())
+    if ckpt.path.is_file():  # a GGUF: its header instead of safetensors headers
+        from ftjax.gguf_checkpoint import update_fingerprint
+        update_fingerprint(h, ckpt)
+        return h.hexdigest()
     for path in safetensors_files(ckpt.path):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())

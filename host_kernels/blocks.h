@@ -57,7 +57,7 @@ inline void block_dots(const DotTable& dots, const char* rows, int64_t row_bytes
                        int64_t num_rows, const float* const* vecs, int64_t num_vecs,
                        int64_t n, float* out) {
   if (num_vecs == 1) {
-    dots.gemv(rows, n, num_rows, vecs[0], n, out);
+    dots.gemv(rows, row_bytes, num_rows, vecs[0], n, out);
     return;
   }
   for (int64_t r0 = 0; r0 < num_rows; r0 += kMaxRows) {

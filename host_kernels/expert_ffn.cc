@@ -82,14 +82,16 @@ struct Call {
   const DotTable& dots;
   int64_t layout_block;   // layout of x_in and h, as `dots` expects (even_odd_pos)
   int64_t layer;
-  const float* x_in;       // [T, D] batch.x in the layout, 64-byte aligned
+  const float* x_in;       // [T, D] batch.x in the layout, 64-byte aligned (block types:
+                           // each row D / 32 ActQ8 blocks, rows D floats apart)
   const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in the layout
+  const float* h_in;       // what phase 2 reads: h, or (block types) h's rows as ActQ8
 };
 
 const char* expert_base(const void* base, const Call& c, int64_t e, int64_t rows,
                         int64_t cols) {
-  int64_t index = (c.layer * c.pool.num_experts + e) * rows * cols;
-  return static_cast<const char*>(base) + index * weight_bytes(c.pool.wtype);
+  const int64_t index = (c.layer * c.pool.num_experts + e) * rows;
+  return static_cast<const char*>(base) + index * row_bytes(c.pool.wtype, cols);
 }
 
 struct GateUpTask {
@@ -99,7 +101,7 @@ struct GateUpTask {
 // h[p, f] = silu(gate_f . x_t) * (up_f . x_t) for pairs p of expert u, f in [f0, f1).
 void gate_up_task(const Call& c, const GateUpTask& task) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
-  const int64_t row_bytes = D * weight_bytes(c.pool.wtype);
+  const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, D);
   const char* gate = expert_base(c.pool.gate_up, c, c.routing.experts[task.u], 2 * F, D);
   const char* up = gate + F * row_bytes;
   const int64_t p_begin = c.routing.begin[task.u], p_end = c.routing.begin[task.u + 1];
@@ -125,7 +127,7 @@ void gate_up_task(const Call& c, const GateUpTask& task) {
 // y[:, d0:d1] = sum over experts u (ascending) of w_p * down_u[d0:d1] . h[p].
 void down_task(const Call& c, int64_t d0, int64_t d1) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
-  const int64_t row_bytes = F * weight_bytes(c.pool.wtype);
+  const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, F);
   float* y = c.batch.y;
   for (int64_t t = 0; t < c.batch.num_tokens; ++t)
     std::fill(y + t * D + d0, y + t * D + d1, 0.f);
@@ -137,7 +139,7 @@ void down_task(const Call& c, int64_t d0, int64_t d1) {
     const int64_t p_begin = c.routing.begin[u], p_end = c.routing.begin[u + 1];
     for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
       const int64_t nt = std::min(p_end - p0, tile);
-      for (int64_t j = 0; j < nt; ++j) vecs[j] = c.h.data() + (p0 + j) * F;
+      for (int64_t j = 0; j < nt; ++j) vecs[j] = c.h_in + (p0 + j) * F;
       for (int64_t r0 = d0; r0 < d1; r0 += kSubRows) {
         const int64_t nr = std::min(kSubRows, d1 - r0);
         block_dots(c.dots, down + r0 * row_bytes, row_bytes, nr, vecs, nt, F, out);
@@ -155,7 +157,7 @@ void down_task(const Call& c, int64_t d0, int64_t d1) {
 std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
                                      int num_threads) {
   const int64_t F = pool.d_ff;
-  const int64_t rows = task_rows(2 * pool.d_model * weight_bytes(pool.wtype),
+  const int64_t rows = task_rows(2 * row_bytes(pool.wtype, pool.d_model),
                                  kGateUpTaskBytes, num_unique * F, num_threads);
   std::vector<GateUpTask> tasks;
   for (int64_t u = 0; u < num_unique; ++u)
@@ -165,7 +167,7 @@ std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
 
 // Phase-2 tasks: blocks of D rows, each over all experts (disjoint outputs).
 int64_t plan_down_rows(const PoolView& pool, int num_threads) {
-  return task_rows(pool.d_ff * weight_bytes(pool.wtype), kDownTaskBytes, pool.d_model,
+  return task_rows(row_bytes(pool.wtype, pool.d_ff), kDownTaskBytes, pool.d_model,
                    num_threads);
 }
 
@@ -178,19 +180,32 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
            std::to_string(pool.num_layers) + ")";
   const Kernels* kernels = select_kernels(isa);
   if (kernels == nullptr) return "requested ISA is not available on this CPU";
+  if (is_block_type(pool.wtype) && (pool.d_model % kQuantBlock || pool.d_ff % kQuantBlock))
+    return "block-quantised experts need d_model and d_ff divisible by 32";
   Routing routing;
   std::string err = group_by_expert(batch, pool.num_experts, &routing);
   if (!err.empty()) return err;
 
   const int num_threads = threads ? threads->num_threads() : 1;
-  AlignedFloats h(routing.token.size() * pool.d_ff);
+  const bool blocks = is_block_type(pool.wtype);
+  const int64_t num_pairs = routing.token.size();
+  AlignedFloats h(num_pairs * pool.d_ff);
+  AlignedFloats h_q(blocks ? num_pairs * pool.d_ff : 0);
   AlignedFloats x_in(batch.num_tokens * pool.d_model);
   const int64_t block = kernels->layout_block(pool.wtype);
-  to_layout(batch.x, batch.num_tokens, pool.d_model, block, x_in.data());
-  Call call{pool, batch, routing, kernels->dots(pool.wtype), block, layer, x_in.data(), h};
+  for (int64_t t = 0; t < batch.num_tokens && blocks; ++t)
+    quantise_act_q8(batch.x + t * pool.d_model, pool.d_model,
+                    reinterpret_cast<ActQ8*>(x_in.data() + t * pool.d_model));
+  if (!blocks) to_layout(batch.x, batch.num_tokens, pool.d_model, block, x_in.data());
+  Call call{pool, batch, routing, kernels->dots(pool.wtype), block, layer, x_in.data(), h,
+            blocks ? h_q.data() : h.data()};
 
   const std::vector<GateUpTask> gate_up = plan_gate_up(pool, routing.experts.size(), num_threads);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task(call, gate_up[i]); });
+  if (blocks)
+    parallel_for(threads, num_pairs, [&](int64_t p) {
+      quantise_act_q8(h.data() + p * pool.d_ff, pool.d_ff, reinterpret_cast<ActQ8*>(h_q.data() + p * pool.d_ff));
+    });
 
   const int64_t rows = plan_down_rows(pool, num_threads);
   parallel_for(threads, ceil_div(pool.d_model, rows), [&](int64_t i) {

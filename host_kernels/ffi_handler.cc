@@ -52,7 +52,7 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: y must be [T, d_model]");
   if (layer.element_count() != 1)
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: layer must be a scalar");
-  if (dtype != 0 && dtype != 1)
+  if (!ftjax::is_weight_type(dtype))
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: unknown dtype code");
 
   ftjax::PoolView pool{reinterpret_cast<const void*>(gate_up_ptr),

@@ -33,12 +33,10 @@ FTJAX_AVX2 inline void load16(const uint16_t* p, __m256& odd, __m256& even) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-inline float scalar_f32(float w) { return w; }
-inline float scalar_f32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// Elements [i, i + 16) of a weight row (i % 16 == 0) as two 8-float vectors.
+template <typename W>
+FTJAX_AVX2 inline void load16(const W* row, int64_t i, __m256& a, __m256& b) {
+  load16(row + i, a, b);
 }
 
 FTJAX_AVX2 inline float hsum(__m256 v) {
@@ -57,10 +55,12 @@ FTJAX_AVX2 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Prefetch the bytes of elements [i, i + kStep) of a row, kPrefetchBytes ahead.
 template <typename W>
-FTJAX_AVX2 inline void prefetch_step(const W* row) {
-  for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
-    _mm_prefetch(reinterpret_cast<const char*>(row + l) + kPrefetchBytes, _MM_HINT_T0);
+FTJAX_AVX2 inline void prefetch_step(const W* row, int64_t i) {
+  const char* p = reinterpret_cast<const char*>(unit_at(row, i)) + kPrefetchBytes;
+  for (int64_t l = 0; l < kStep / kElemsPer<W> * static_cast<int64_t>(sizeof(W)); l += 64)
+    _mm_prefetch(p + l, _MM_HINT_T0);
 }
 
 // R x J tile of full-length dots (several tokens share each weight load).
@@ -79,7 +79,7 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
   auto step = [&](int64_t i, int c) FTJAX_AVX2 {  // elements [i, i + 16)
     for (int r = 0; r < R; ++r) {
       __m256 wa, wb;
-      load16(rows[r] + i, wa, wb);
+      load16(rows[r], i, wa, wb);
       for (int j = 0; j < J; ++j) {  // x reloaded from L1: registers go to accumulators
         __m256 xa, xb;
         load16(vecs[j] + i, xa, xb);
@@ -90,7 +90,7 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
   };
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    for (int r = 0; r < R; ++r) prefetch_step(rows[r] + i);
+    for (int r = 0; r < R; ++r) prefetch_step(rows[r], i);
     for (int s = 0; s < kStep / 16; ++s) step(i + 16 * s, (2 * s) % C);
   }
   for (; i + 16 <= n; i += 16) step(i, 0);
@@ -99,7 +99,7 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
       __m256 a = acc[0][r][j];
       for (int c = 1; c < C; ++c) a = _mm256_add_ps(a, acc[c][r][j]);
       float s = hsum(a);
-      for (int64_t t = i; t < n; ++t) s += scalar_f32(rows[r][t]) * vecs[j][t];
+      for (int64_t t = i; t < n; ++t) s += weight_at(rows[r], t) * vecs[j][t];
       out[r * J + j] = s;
     }
   }
@@ -113,10 +113,10 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    prefetch_step(row + i);
+    prefetch_step(row, i);
     for (int s = 0; s < kStep / 16; ++s) {
       __m256 wa, wb, xa, xb;
-      load16(row + i + 16 * s, wa, wb);
+      load16(row, i + 16 * s, wa, wb);
       load16(vec + i + 16 * s, xa, xb);
       acc[2 * s] = _mm256_fmadd_ps(wa, xa, acc[2 * s]);
       acc[2 * s + 1] = _mm256_fmadd_ps(wb, xb, acc[2 * s + 1]);
@@ -124,7 +124,7 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   }
   for (; i + 16 <= n; i += 16) {
     __m256 wa, wb, xa, xb;
-    load16(row + i, wa, wb);
+    load16(row, i, wa, wb);
     load16(vec + i, xa, xb);
     acc[0] = _mm256_fmadd_ps(wa, xa, acc[0]);
     acc[1] = _mm256_fmadd_ps(wb, xb, acc[1]);
@@ -139,18 +139,19 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
 template <typename W>
 FTJAX_AVX2 void gemv_avx2(const void* rows_v, int64_t row_stride, int64_t num_rows,
                           const float* vec, int64_t n, float* out) {
-  const W* rows = static_cast<const W*>(rows_v);
+  const char* rows = static_cast<const char*>(rows_v);
   const int64_t tail = n / 16 * 16;
   for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
     const int nr = static_cast<int>(num_rows - r0 < 8 ? num_rows - r0 : 8);
     __m256 partial[8];
     for (int r = 0; r < 8; ++r)
-      partial[r] = r < nr ? row_dot(rows + (r0 + r) * row_stride, vec, n) : _mm256_setzero_ps();
+      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n)
+                           : _mm256_setzero_ps();
     float sums[8];
     _mm256_storeu_ps(sums, hsum8(partial));
     for (int r = 0; r < nr; ++r) {
-      const W* row = rows + (r0 + r) * row_stride;
-      for (int64_t t = tail; t < n; ++t) sums[r] += scalar_f32(row[t]) * vec[t];
+      const W* row = reinterpret_cast<const W*>(rows + (r0 + r) * row_stride);
+      for (int64_t t = tail; t < n; ++t) sums[r] += weight_at(row, t) * vec[t];
       out[r0 + r] = sums[r];
     }
   }
@@ -180,12 +181,14 @@ FTJAX_AVX2 float sum_avx2(const float* data, int64_t n) {
 }  // namespace
 
 const Kernels* avx2_kernels() {
-  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), &sum_avx2, 16};
+  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_avx2(WeightType::kQ8_0),
+                         block_table_avx2(WeightType::kQ4_0), &sum_avx2, 16};
   return &k;
 }
 
 bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
   return has;
 }
 

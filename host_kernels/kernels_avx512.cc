@@ -36,12 +36,10 @@ FTJAX_AVX512 inline void load32(const uint16_t* p, __m512& odd, __m512& even) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-inline float scalar_f32(float w) { return w; }
-inline float scalar_f32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// Elements [i, i + 32) of a weight row (i % 32 == 0) as two 16-float vectors.
+template <typename W>
+FTJAX_AVX512 inline void load32(const W* row, int64_t i, __m512& a, __m512& b) {
+  load32(row + i, a, b);
 }
 
 FTJAX_AVX512 inline __m256 fold(__m512 v) {  // 16 lanes -> 8 lanes, same total
@@ -66,10 +64,12 @@ FTJAX_AVX512 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Prefetch the bytes of elements [i, i + kStep) of a row, kPrefetchBytes ahead.
 template <typename W>
-FTJAX_AVX512 inline void prefetch_step(const W* row) {
-  for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
-    _mm_prefetch(reinterpret_cast<const char*>(row + l) + kPrefetchBytes, _MM_HINT_T0);
+FTJAX_AVX512 inline void prefetch_step(const W* row, int64_t i) {
+  const char* p = reinterpret_cast<const char*>(unit_at(row, i)) + kPrefetchBytes;
+  for (int64_t l = 0; l < kStep / kElemsPer<W> * static_cast<int64_t>(sizeof(W)); l += 64)
+    _mm_prefetch(p + l, _MM_HINT_T0);
 }
 
 template <typename W, int R, int J>
@@ -87,7 +87,7 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
   auto step = [&](int64_t i, int c) FTJAX_AVX512 {  // elements [i, i + 32)
     for (int r = 0; r < R; ++r) {
       __m512 wa, wb;
-      load32(rows[r] + i, wa, wb);
+      load32(rows[r], i, wa, wb);
       for (int j = 0; j < J; ++j) {  // x reloaded from L1: registers go to accumulators
         __m512 xa, xb;
         load32(vecs[j] + i, xa, xb);
@@ -98,7 +98,7 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
   };
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    for (int r = 0; r < R; ++r) prefetch_step(rows[r] + i);
+    for (int r = 0; r < R; ++r) prefetch_step(rows[r], i);
     for (int s = 0; s < kStep / 32; ++s) step(i + 32 * s, (2 * s) % C);
   }
   for (; i + 32 <= n; i += 32) step(i, 0);
@@ -107,7 +107,7 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
       __m512 a = acc[0][r][j];
       for (int c = 1; c < C; ++c) a = _mm512_add_ps(a, acc[c][r][j]);
       float s = hsum(a);
-      for (int64_t t = i; t < n; ++t) s += scalar_f32(rows[r][t]) * vecs[j][t];
+      for (int64_t t = i; t < n; ++t) s += weight_at(rows[r], t) * vecs[j][t];
       out[r * J + j] = s;
     }
   }
@@ -121,10 +121,10 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    prefetch_step(row + i);
+    prefetch_step(row, i);
     for (int s = 0; s < kStep / 32; ++s) {
       __m512 wa, wb, xa, xb;
-      load32(row + i + 32 * s, wa, wb);
+      load32(row, i + 32 * s, wa, wb);
       load32(vec + i + 32 * s, xa, xb);
       acc[2 * s] = _mm512_fmadd_ps(wa, xa, acc[2 * s]);
       acc[2 * s + 1] = _mm512_fmadd_ps(wb, xb, acc[2 * s + 1]);
@@ -132,7 +132,7 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   }
   for (; i + 32 <= n; i += 32) {
     __m512 wa, wb, xa, xb;
-    load32(row + i, wa, wb);
+    load32(row, i, wa, wb);
     load32(vec + i, xa, xb);
     acc[0] = _mm512_fmadd_ps(wa, xa, acc[0]);
     acc[1] = _mm512_fmadd_ps(wb, xb, acc[1]);
@@ -145,18 +145,19 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
 template <typename W>
 FTJAX_AVX512 void gemv_avx512(const void* rows_v, int64_t row_stride, int64_t num_rows,
                               const float* vec, int64_t n, float* out) {
-  const W* rows = static_cast<const W*>(rows_v);
+  const char* rows = static_cast<const char*>(rows_v);
   const int64_t tail = n / 32 * 32;
   for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
     const int nr = static_cast<int>(num_rows - r0 < 8 ? num_rows - r0 : 8);
     __m256 partial[8];
     for (int r = 0; r < 8; ++r)
-      partial[r] = r < nr ? row_dot(rows + (r0 + r) * row_stride, vec, n) : _mm256_setzero_ps();
+      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n)
+                           : _mm256_setzero_ps();
     float sums[8];
     _mm256_storeu_ps(sums, hsum8(partial));
     for (int r = 0; r < nr; ++r) {
-      const W* row = rows + (r0 + r) * row_stride;
-      for (int64_t t = tail; t < n; ++t) sums[r] += scalar_f32(row[t]) * vec[t];
+      const W* row = reinterpret_cast<const W*>(rows + (r0 + r) * row_stride);
+      for (int64_t t = tail; t < n; ++t) sums[r] += weight_at(row, t) * vec[t];
       out[r0 + r] = sums[r];
     }
   }
@@ -186,13 +187,14 @@ FTJAX_AVX512 float sum_avx512(const float* data, int64_t n) {
 }  // namespace
 
 const Kernels* avx512_kernels() {
-  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), &sum_avx512, 32};
+  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_avx2(WeightType::kQ8_0),
+                         block_table_avx2(WeightType::kQ4_0), &sum_avx512, 32};
   return &k;
 }
 
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                          __builtin_cpu_supports("fma");
+                          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return has;
 }
 

@@ -8,14 +8,6 @@
 namespace ftjax {
 namespace {
 
-inline float to_f32(float w) { return w; }
-inline float to_f32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 template <typename W, int R, int J>
 void dot_scalar(const void* const* rows_v, const float* const* vecs, int64_t n,
                 float* out) {
@@ -27,7 +19,7 @@ void dot_scalar(const void* const* rows_v, const float* const* vecs, int64_t n,
   for (; i + kLanes <= n; i += kLanes) {
     for (int r = 0; r < R; ++r) {
       float w[kLanes];
-      for (int l = 0; l < kLanes; ++l) w[l] = to_f32(rows[r][i + l]);
+      for (int l = 0; l < kLanes; ++l) w[l] = weight_at(rows[r], i + l);
       for (int j = 0; j < J; ++j)
         for (int l = 0; l < kLanes; ++l) acc[r][j][l] += w[l] * vecs[j][i + l];
     }
@@ -36,7 +28,7 @@ void dot_scalar(const void* const* rows_v, const float* const* vecs, int64_t n,
     for (int j = 0; j < J; ++j) {
       float s = 0.f;
       for (int l = 0; l < kLanes; ++l) s += acc[r][j][l];
-      for (int64_t t = i; t < n; ++t) s += to_f32(rows[r][t]) * vecs[j][t];
+      for (int64_t t = i; t < n; ++t) s += weight_at(rows[r], t) * vecs[j][t];
       out[r * J + j] = s;
     }
   }
@@ -46,7 +38,7 @@ template <typename W>
 void gemv_scalar(const void* rows, int64_t row_stride, int64_t num_rows, const float* vec,
                  int64_t n, float* out) {
   for (int64_t r = 0; r < num_rows; ++r) {
-    const void* row = static_cast<const W*>(rows) + r * row_stride;
+    const void* row = static_cast<const char*>(rows) + r * row_stride;
     dot_scalar<W, 1, 1>(&row, &vec, n, out + r);
   }
 }
@@ -73,7 +65,8 @@ float sum_scalar(const float* data, int64_t n) {
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), &sum_scalar, 0};
+  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_scalar(WeightType::kQ8_0),
+                         block_table_scalar(WeightType::kQ4_0), &sum_scalar, 0};
   return k;
 }
 

@@ -20,7 +20,7 @@ struct LinearCall {
 // y[:, r0:r1] for every token.
 void linear_task(const LinearCall& c, int64_t r0, int64_t r1) {
   const int64_t K = c.w.cols, N = c.w.rows;
-  const int64_t row_bytes = K * weight_bytes(c.w.wtype);
+  const int64_t row_bytes = ftjax::row_bytes(c.w.wtype, K);
   const char* w = static_cast<const char*>(c.w.w);
   const int64_t tile = vec_tile(K);
   float out[kSubRows * kMaxTile];  // [rows, tokens]
@@ -49,7 +49,7 @@ std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float
   to_layout(x, num_tokens, w.cols, block, x_in.data());
   LinearCall call{w, kernels->dots(w.wtype), x_in.data(), num_tokens, y};
   const int num_threads = threads ? threads->num_threads() : 1;
-  const int64_t rows = task_rows(w.cols * weight_bytes(w.wtype), kTaskBytes, w.rows, num_threads);
+  const int64_t rows = task_rows(row_bytes(w.wtype, w.cols), kTaskBytes, w.rows, num_threads);
   parallel_for(threads, ceil_div(w.rows, rows), [&](int64_t i) {
     linear_task(call, i * rows, std::min(w.rows, (i + 1) * rows));
   });

@@ -36,25 +36,45 @@ WeightType weight_type_of(const Array& a) {
   throw std::invalid_argument("weights must be float32 or uint16 (bf16 bits)");
 }
 
-// gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView.
-PoolView pool_view(const Pool4& gate_up, const Pool4& down) {
+// Weights per row of `bytes` bytes of a block type (throws unless whole blocks).
+int64_t block_row_len(WeightType w, int64_t bytes) {
+  const int64_t block = row_bytes(w, kQuantBlock);
+  if (bytes % block) throw std::invalid_argument("row of " + std::to_string(bytes) + " bytes is not whole blocks");
+  return bytes / block * kQuantBlock;
+}
+
+// gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView. Block types
+// (wtype Q8_0 / Q4_0) come as uint8 rows of blocks: gate_up [Lm, E, 2F, bytes(D)].
+PoolView pool_view(const Pool4& gate_up, const Pool4& down, int wtype_code) {
+  WeightType wtype;
+  int64_t D = gate_up.shape(3), F = down.shape(3);
+  if (wtype_code < 0) {
+    wtype = weight_type_of(gate_up);
+    if (weight_type_of(down) != wtype)
+      throw std::invalid_argument("gate_up and down must have the same dtype");
+  } else {
+    if (!is_weight_type(wtype_code)) throw std::invalid_argument("unknown weight type code");
+    wtype = static_cast<WeightType>(wtype_code);
+    if (!is_block_type(wtype)) throw std::invalid_argument("wtype is only for block types");
+    if (gate_up.dtype() != nb::dtype<uint8_t>() || down.dtype() != nb::dtype<uint8_t>())
+      throw std::invalid_argument("block-quantised pools must be uint8 arrays of blocks");
+    D = block_row_len(wtype, D);
+    F = block_row_len(wtype, F);
+  }
   PoolView v{gate_up.data(), down.data(), (int64_t)gate_up.shape(0),
-             (int64_t)gate_up.shape(1), (int64_t)gate_up.shape(3),
-             (int64_t)gate_up.shape(2) / 2, weight_type_of(gate_up)};
-  if (weight_type_of(down) != v.wtype)
-    throw std::invalid_argument("gate_up and down must have the same dtype");
+             (int64_t)gate_up.shape(1), D, (int64_t)gate_up.shape(2) / 2, wtype};
   if (gate_up.shape(2) % 2 != 0 || v.d_model <= 0 || v.d_ff <= 0)
     throw std::invalid_argument("gate_up must be [Lm, E, 2F, D] with D, F > 0");
   if ((int64_t)down.shape(0) != v.num_layers || (int64_t)down.shape(1) != v.num_experts ||
-      (int64_t)down.shape(2) != v.d_model || (int64_t)down.shape(3) != v.d_ff)
+      (int64_t)down.shape(2) != v.d_model || F != v.d_ff)
     throw std::invalid_argument("down must be [Lm, E, D, F] matching gate_up");
   return v;
 }
 
 void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const X2& x,
                    const Ids2& ids, const X2& weights, const Y2& y, ThreadPool* threads,
-                   int isa) {
-  PoolView pool = pool_view(gate_up, down);
+                   int isa, int wtype) {
+  PoolView pool = pool_view(gate_up, down, wtype);
   const int64_t T = x.shape(0), K = ids.shape(1);
   if ((int64_t)x.shape(1) != pool.d_model)
     throw std::invalid_argument("x must be [T, D] with D = " + std::to_string(pool.d_model));
@@ -142,7 +162,7 @@ NB_MODULE(_host_kernels, m) {
 
   m.def("expert_ffn", &py_expert_ffn, "gate_up"_a.noconvert(), "down"_a.noconvert(),
         "layer"_a, "x"_a, "ids"_a, "weights"_a, "y"_a.noconvert(), "threads"_a.none(),
-        "isa"_a = 0,
+        "isa"_a = 0, "wtype"_a = -1,
         "y[t] = sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) for MoE layer `layer`; "
         "writes y [T, D] in place.");
   m.def("linear", &py_linear, "w"_a.noconvert(), "x"_a, "y"_a.noconvert(), "threads"_a.none(),
@@ -170,4 +190,6 @@ NB_MODULE(_host_kernels, m) {
   m.attr("ISA_AVX512") = (int)Isa::kAvx512;
   m.attr("DTYPE_F32") = (int)WeightType::kF32;
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
+  m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;
+  m.attr("DTYPE_Q4_0") = (int)WeightType::kQ4_0;
 }

@@ -30,6 +30,7 @@ token) timed token by token; medians. llama.cpp's own perf counters are reported
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 
@@ -43,9 +44,21 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _runinfo():
+    """ftjax/runinfo.py by path: this script runs in llama.cpp's venv, without jax / ftjax."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ftjax_runinfo", REPO / "ftjax" / "runinfo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+commit_info, machine_info = _runinfo().commit_info, _runinfo().machine_info
 
 
 def commit() -> dict:
@@ -56,7 +69,36 @@ def machine() -> dict:
     return machine_info()
 
 
-def convert(model_dir: str, llama_src: str, out: str) -> None:
+def quantize(src: str, out: str, ftype: str, threads: int | None) -> None:
+    """llama.cpp's own quantizer (llama-quantize) on a bf16 GGUF: Q8_0, Q4_0 or Q4_K_M."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.nthread = threads or len(os.sched_getaffinity(0))
+    t0 = time.perf_counter()
+    if llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed: {src} -> {out} ({ftype})")
+    print(json.dumps({"quantized": out, "ftype": ftype, "bytes": os.path.getsize(out),
+                      "seconds": round(time.perf_counter() - t0, 1)}))
+
+
+def no_extra_buffer_types() -> None:
+    """Load without the CPU "extra buffer types" (weight repacking): that path of this
+    llama.cpp build segfaulted on quantised MoE GGUFs on this machine class."""
+    import llama_cpp
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = params
+
+
+def convert(model_dir: str, llama_src: str, out: str, outtype: str = "bf16") -> None:
     sys.path.insert(0, llama_src)
     sys.path.insert(1, str(Path(llama_src) / "gguf-py"))
     import convert_hf_to_gguf as conv
@@ -74,7 +116,7 @@ def convert(model_dir: str, llama_src: str, out: str) -> None:
     if not (Path(model_dir) / "tokenizer.json").exists():  # every architecture (qwen3moe, olmoe, ...)
         for cls in [TextModel, *subclasses(TextModel)]:
             cls.set_vocab = set_vocab
-    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", "bf16", "--outfile", out]
+    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", outtype, "--outfile", out]
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if config.get("architectures", [""])[0].startswith(("Qwen3_5", "Qwen3Next")) and "mtp" not in json.dumps(config):
         sys.argv.append("--no-mtp")  # geometry checkpoints carry no multi-token-prediction head
@@ -97,7 +139,7 @@ def bench(args) -> None:
 
     threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
     t0 = time.perf_counter()
-    llm = Llama(model_path=args.gguf, n_ctx=128, n_batch=args.prompt, n_ubatch=args.prompt, n_threads=threads,
+    llm = Llama(model_path=args.gguf, n_ctx=max(128, args.prompt + args.new + 8), n_batch=args.prompt, n_ubatch=args.prompt, n_threads=threads,
                 n_threads_batch=threads, use_mmap=True, verbose=False)
     load_s = time.perf_counter() - t0
     V = llm.n_vocab()
@@ -168,7 +210,11 @@ def contexts(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--convert", default=None, help="HF checkpoint folder to convert to --gguf (bf16)")
+    ap.add_argument("--convert", default=None, help="HF checkpoint folder to convert to --gguf (--outtype)")
+    ap.add_argument("--outtype", default="bf16", help="convert_hf_to_gguf --outtype (bf16, q8_0, f32)")
+    ap.add_argument("--quantize", nargs=2, metavar=("SRC_GGUF", "FTYPE"), default=None,
+                    help="llama.cpp's quantizer: SRC_GGUF -> --gguf as FTYPE (q8_0, q4_0, q4_k_m)")
+    ap.add_argument("--extra-bufts", action="store_true", help="keep the CPU weight-repacking buffer types")
     ap.add_argument("--llama-src", default="/tmp/llsrc/llama_cpp_python-0.3.36/vendor/llama.cpp")
     ap.add_argument("--gguf", default="/tmp/ftjax-geom-bf16.gguf")
     ap.add_argument("--threads", type=int, default=None)
@@ -177,8 +223,12 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=None,
                     help="prefill a prompt of each length, then decode --new tokens at that context")
     args = ap.parse_args()
+    if not args.extra_bufts and not args.convert:
+        no_extra_buffer_types()
     if args.convert:
-        convert(args.convert, args.llama_src, args.gguf)
+        convert(args.convert, args.llama_src, args.gguf, args.outtype)
+    elif args.quantize:
+        quantize(args.quantize[0], args.gguf, args.quantize[1], args.threads)
     elif args.contexts:
         contexts(args)
     else:

@@ -12,6 +12,19 @@ full q/k norms) with tiny experts (8 x 64, top-2), vocab 1024, 2 layers, 40960 p
 the long-context benchmarks' model, where attention is nearly all of the work (built with
 transformers' own initialisation, rounded to bf16).
 
+`--family olmoe`: OLMoE-1B-7B (D 2048, 16 heads x 128, E 64 x F 1024, K 8, V 50304),
+`--layers` of its 16 layers: the quantised-expert benchmarks' model (transformers'
+initialisation, rounded to bf16; 0.8 GB of experts per layer).
+
+`--family glm4_moe`: GLM-4.5-Air (D 4096, 96 heads / 8 KV heads of 128, half rotary, qkv
+biases, E 128 x F 1408, K 8, one shared expert, sigmoid routing with a correction bias,
+dense layer F 10944, V 151552). `--family deepseek_v3`: DeepSeek-V3 (D 7168, 128 heads of
+MLA: q rank 1536, latent 512, dn 128 / dr 64 / dv 128, interleaved RoPE, YaRN x40; E 256 x
+F 2048 in 8 groups (4 kept), K 8, one shared expert, scaling 2.5, dense layer F 18432,
+V 129280; one MoE layer is 22.5 GB of bf16 experts). Both: layer 0 dense
+(`first_k_dense_replace` 1, the real models have 1 and 3), the rest MoE, the routers'
+e_score_correction_bias in float32 as released, no MTP layer.
+
 The Qwen3-30B-A3B checkpoint:
 
 Same tensor shapes, names and config as the real model (D 2048, F 768, E 128, K 8,
@@ -46,6 +59,44 @@ BASE = 8  # experts per layer drawn from the RNG; the others are rotations of th
 
 # Qwen3.6-35B-A3B (qwen3_5_moe)
 Q35 = dict(E=256, F=512, SHARED=512, H=16, G=2, HD=256, V=248320, HK=16, HV=32, DK=128, DV=128, CONV=4)
+
+
+# GLM-4.5-Air (glm4_moe) and DeepSeek-V3 (deepseek_v3): the shapes of the released configs
+GLM = dict(D=4096, H=96, G=8, HD=128, FD=10944, F=1408, E=128, V=151552)
+DSV3 = dict(D=7168, H=128, QR=1536, R=512, DN=128, DR=64, DV=128, FD=18432, F=2048, E=256, V=129280)
+
+
+def hf_config_glm(num_layers: int) -> dict:
+    c = GLM
+    return {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": c["D"],
+        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": c["G"],
+        "head_dim": c["HD"], "intermediate_size": c["FD"], "moe_intermediate_size": c["F"],
+        "n_routed_experts": c["E"], "num_experts_per_tok": K, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1, "use_qk_norm": False,
+        "attention_bias": True, "partial_rotary_factor": 0.5, "rope_theta": 1e6, "rope_scaling": None,
+        "vocab_size": c["V"], "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": None,
+        "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "dtype": "bfloat16",
+    }
+
+
+def hf_config_dsv3(num_layers: int) -> dict:
+    c = DSV3
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": c["D"],
+        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": c["H"],
+        "q_lora_rank": c["QR"], "kv_lora_rank": c["R"], "qk_nope_head_dim": c["DN"], "qk_rope_head_dim": c["DR"],
+        "v_head_dim": c["DV"], "intermediate_size": c["FD"], "moe_intermediate_size": c["F"],
+        "n_routed_experts": c["E"], "num_experts_per_tok": K, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_theta": 10000, "rope_interleave": True,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        "vocab_size": c["V"], "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0,
+        "eos_token_id": 1, "dtype": "bfloat16",
+    }
 
 
 def hf_config(num_layers: int) -> dict:
@@ -99,13 +150,13 @@ def hf_config_q35(num_layers: int) -> dict:
             "text_config": text, "tie_word_embeddings": False, "dtype": "bfloat16"}
 
 
-def experts(rng: Rng, p: str, n: int, f: int) -> dict[str, torch.Tensor]:
+def experts(rng: Rng, p: str, n: int, f: int, d: int = D) -> dict[str, torch.Tensor]:
     """Per-expert tensors of one layer (BASE drawn, the rest rotations of them)."""
     # Drawing 150M normals per layer is slow on a busy 2-core machine: draw BASE experts
     # and derive the rest by rotating a base expert's flat weights by a random offset
     # (distinct values per expert, same distribution, memory-bound).
     t = {}
-    base = [[rng.bf16(s, 0.02) for s in ((f, D), (f, D), (D, f))] for _ in range(BASE)]
+    base = [[rng.bf16(s, 0.02) for s in ((f, d), (f, d), (d, f))] for _ in range(BASE)]
     for e in range(n):
         q = f"{p}mlp.experts.{e}."
         for name, w in zip(("gate_proj", "up_proj", "down_proj"), base[e % BASE]):
@@ -151,6 +202,56 @@ def layer_tensors_q35(rng: Rng, i: int) -> dict[str, torch.Tensor]:
     return t
 
 
+def mlp_tensors(rng: Rng, p: str, c: dict, moe: bool, groups: int = 1) -> dict[str, torch.Tensor]:
+    """Layer 0's dense MLP, or a DeepSeek-style MoE block: router + float32 correction
+    bias (distinct per group, so group selection varies), one shared expert, experts."""
+    d, m = c["D"], p + "mlp."
+    if not moe:
+        return {m + "gate_proj.weight": rng.bf16((c["FD"], d), 0.02), m + "up_proj.weight": rng.bf16((c["FD"], d), 0.02),
+                m + "down_proj.weight": rng.bf16((d, c["FD"]), 0.02)}
+    t = {m + "gate.weight": rng.bf16((c["E"], d), 0.05),
+         m + "gate.e_score_correction_bias": torch.from_numpy(rng.rng.normal(0, 0.01, c["E"]).astype(np.float32)),
+         m + "shared_experts.gate_proj.weight": rng.bf16((c["F"], d), 0.02),
+         m + "shared_experts.up_proj.weight": rng.bf16((c["F"], d), 0.02),
+         m + "shared_experts.down_proj.weight": rng.bf16((d, c["F"]), 0.02)}
+    t.update(experts(rng, p, c["E"], c["F"], d))
+    return t
+
+
+def layer_tensors_glm(rng: Rng, i: int) -> dict[str, torch.Tensor]:
+    c, p = GLM, f"model.layers.{i}."
+    a, h, g, hd, d = p + "self_attn.", c["H"], c["G"], c["HD"], c["D"]
+    t = {p + "input_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
+         p + "post_attention_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
+         a + "q_proj.weight": rng.bf16((h * hd, d), 0.02), a + "q_proj.bias": rng.bf16((h * hd,), 0.02),
+         a + "k_proj.weight": rng.bf16((g * hd, d), 0.02), a + "k_proj.bias": rng.bf16((g * hd,), 0.02),
+         a + "v_proj.weight": rng.bf16((g * hd, d), 0.02), a + "v_proj.bias": rng.bf16((g * hd,), 0.02),
+         a + "o_proj.weight": rng.bf16((d, h * hd), 0.02)}
+    t.update(mlp_tensors(rng, p, c, moe=i >= 1))
+    return t
+
+
+def layer_tensors_dsv3(rng: Rng, i: int) -> dict[str, torch.Tensor]:
+    c, p = DSV3, f"model.layers.{i}."
+    a, h, d = p + "self_attn.", c["H"], c["D"]
+    t = {p + "input_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
+         p + "post_attention_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
+         a + "q_a_proj.weight": rng.bf16((c["QR"], d), 0.02), a + "q_a_layernorm.weight": rng.bf16((c["QR"],), 0.1, 1.0),
+         a + "q_b_proj.weight": rng.bf16((h * (c["DN"] + c["DR"]), c["QR"]), 0.02),
+         a + "kv_a_proj_with_mqa.weight": rng.bf16((c["R"] + c["DR"], d), 0.02),
+         a + "kv_a_layernorm.weight": rng.bf16((c["R"],), 0.1, 1.0),
+         a + "kv_b_proj.weight": rng.bf16((h * (c["DN"] + c["DV"]), c["R"]), 0.02),
+         a + "o_proj.weight": rng.bf16((d, h * c["DV"]), 0.02)}
+    t.update(mlp_tensors(rng, p, c, moe=i >= 1))
+    return t
+
+
+FAMILIES = {  # --family -> (config, layer tensors, vocab, D, final norm mean, eos)
+    "glm4_moe": (hf_config_glm, layer_tensors_glm, GLM["V"], GLM["D"], 1.0, 151329),
+    "deepseek_v3": (hf_config_dsv3, layer_tensors_dsv3, DSV3["V"], DSV3["D"], 1.0, 1),
+}
+
+
 def olmoe_attention(out: Path, num_layers: int, seed: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -161,6 +262,18 @@ def olmoe_attention(out: Path, num_layers: int, seed: int) -> None:
                                bos_token_id=None, pad_token_id=None)
     AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
     print(json.dumps({"out": str(out), "family": "olmoe_attention", "layers": num_layers}))
+
+
+def olmoe(out: Path, num_layers: int, seed: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("olmoe", vocab_size=50304, hidden_size=D, num_hidden_layers=num_layers,
+                               num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                               num_experts_per_tok=8, max_position_embeddings=4096, eos_token_id=50279,
+                               bos_token_id=None, pad_token_id=1)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    print(json.dumps({"out": str(out), "family": "olmoe", "layers": num_layers}))
 
 
 def layer_tensors(rng: Rng, i: int) -> dict[str, torch.Tensor]:
@@ -185,13 +298,17 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/ftjax-geom")
     ap.add_argument("--layers", type=int, default=4, choices=range(2, 9), metavar="2..8")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "qwen3_5_moe", "olmoe_attention"])
+    ap.add_argument("--family", default="qwen3_moe",
+                    choices=["qwen3_moe", "qwen3_5_moe", "olmoe_attention", "olmoe", *FAMILIES])
     args = ap.parse_args()
-    if args.family == "olmoe_attention":
-        return olmoe_attention(Path(args.out), args.layers, args.seed)
+    if args.family in ("olmoe_attention", "olmoe"):
+        return (olmoe_attention if args.family == "olmoe_attention" else olmoe)(Path(args.out), args.layers, args.seed)
     q35 = args.family == "qwen3_5_moe"
     prefix = "model.language_model." if q35 else "model."
-    vocab = Q35["V"] if q35 else V
+    vocab, d, norm_mean, eos = (Q35["V"], D, 0.0, 248046) if q35 else (V, D, 1.0, 151645)
+    config_fn, layer_fn = (hf_config_q35, layer_tensors_q35) if q35 else (hf_config, layer_tensors)
+    if args.family in FAMILIES:
+        config_fn, layer_fn, vocab, d, norm_mean, eos = FAMILIES[args.family]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = Rng(args.seed)
@@ -202,21 +319,20 @@ def main() -> None:
     def write(idx: int, tensors: dict) -> None:
         name = f"model-{idx:05d}-of-{n:05d}.safetensors"
         save_file(tensors, str(out / name), metadata={"format": "pt"})
-        shards.append((name, {k: v.numel() * 2 for k, v in tensors.items()}))
+        shards.append((name, {k: v.numel() * v.element_size() for k, v in tensors.items()}))
         print(f"wrote {name} ({sum(shards[-1][1].values()) / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    write(1, {prefix + "embed_tokens.weight": rng.bf16((vocab, D), 0.02),
-              prefix + "norm.weight": rng.bf16((D,), 0.1, 0.0 if q35 else 1.0)})
+    write(1, {prefix + "embed_tokens.weight": rng.bf16((vocab, d), 0.02),
+              prefix + "norm.weight": rng.bf16((d,), 0.1, norm_mean)})
     for i in range(args.layers):
-        write(i + 2, (layer_tensors_q35 if q35 else layer_tensors)(rng, i))
-    write(n, {"lm_head.weight": rng.bf16((vocab, D), 0.02)})
+        write(i + 2, layer_fn(rng, i))
+    write(n, {"lm_head.weight": rng.bf16((vocab, d), 0.02)})
 
     weight_map = {k: name for name, sizes in shards for k in sizes}
     total = sum(s for _, sizes in shards for s in sizes.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps((hf_config_q35 if q35 else hf_config)(args.layers), indent=2))
-    eos = 248046 if q35 else 151645
+    (out / "config.json").write_text(json.dumps(config_fn(args.layers), indent=2))
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": eos}))
     print(json.dumps({"out": str(out), "family": args.family, "layers": args.layers, "total_bytes": total, "tensors": len(weight_map),
                       "seconds": round(time.perf_counter() - t0, 1)}))

@@ -31,6 +31,15 @@ FAMILY_CONFIGS = {
     # Gated DeltaNet hybrids: layers 0-2 linear attention, layer 3 gated full attention
     "qwen3_next": dict(HYBRID, intermediate_size=40, mlp_only_layers=[1]),
     "qwen3_5_moe_text": dict(HYBRID),
+    # DeepSeek-style routing: 8 experts in 2 groups, the best group eligible; a dense first layer
+    "glm4_moe": dict(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=3, moe_intermediate_size=16,
+                     intermediate_size=40, n_shared_experts=1, first_k_dense_replace=1, head_dim=8,
+                     partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5),
+    # multi-head latent attention (q through a rank-12 bottleneck, a 16-wide latent), 4 groups of 2 experts
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_group=4, topk_group=2,
+                        num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=40, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5),
 }
 
 
@@ -43,6 +52,9 @@ def build(model_type: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-style routers: a non-zero selection bias, bf16-exact
+            if name.endswith("e_score_correction_bias"):
+                b.copy_((0.1 * torch.randn_like(b)).to(torch.bfloat16).float())
     return model
 
 

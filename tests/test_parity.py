@@ -71,6 +71,12 @@ def test_bf16_checkpoint(tmp_path):
                         layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"])),
     ("qwen3_5_moe_text", dict(tie_word_embeddings=True, linear_conv_kernel_dim=3, num_key_value_heads=4,
                               linear_key_head_dim=4, linear_value_head_dim=8, partial_rotary_factor=1.0)),
+    # GLM: no q/k norm or biases, one expert group, unnormalised weights, every layer MoE, two shared
+    # experts, tied head, YaRN over full-width rotary
+    ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1, norm_topk_prob=False,
+                      first_k_dense_replace=0, n_shared_experts=2, tie_word_embeddings=True,
+                      rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                           rope_theta=10000.0, partial_rotary_factor=1.0))),
 ])
 def test_other_geometries(family, overrides, tmp_path):
     hf = hf_models.build(family, seed=4, **overrides)

@@ -8,9 +8,10 @@ F expert FFN dim.
     down    [Lm, E, D, F]
 
 Every weight row is one contiguous dot product, so a kernel streams an expert
-front to back. Storage is float32 or bfloat16 kept as its uint16 bit pattern
-(numpy has no bf16 arithmetic and XLA CPU would convert whole buffers; formats
-are described in `ftjax.experts.storage`). Arrays are 64-byte aligned, which lets `jax.device_put`
+front to back. Storage is float32, bfloat16 kept as its uint16 bit pattern (numpy has
+no bf16 arithmetic and XLA CPU would convert whole buffers), or a GGUF block format
+(q8_0 / q4_0: each row a run of 32-weight blocks, uint8 [..., bytes(row)]); formats
+are described in `ftjax.experts.storage`. Arrays are 64-byte aligned, which lets `jax.device_put`
 alias them on the CPU backend and keeps SIMD loads on cache lines, and they are
 read-only once built: the FFI handler holds raw pointers into them.
 """
@@ -22,11 +23,10 @@ import dataclasses
 import numpy as np
 
 from ftjax.experts.storage import (  # noqa: F401  (re-exported: older imports)
-    FORMATS, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, to_bf16_bits)
+    FORMATS, QUANTISED_ALIASES, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, to_bf16_bits)
 
 ALIGNMENT = 64
-DTYPES = ("float32", "bfloat16")
-_STORAGE = {name: FORMATS[name].storage for name in DTYPES}
+DTYPES = tuple(FORMATS)  # float32, bfloat16, q8_0, q4_0
 
 
 def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -71,42 +71,64 @@ def _aligned(a: np.ndarray) -> np.ndarray:
 class HostExpertPool:
     """All experts of all MoE layers in aligned host memory (see module docstring)."""
 
-    gate_up: np.ndarray  # [Lm, E, 2F, D]
-    down: np.ndarray  # [Lm, E, D, F]
-    dtype: str  # "float32" | "bfloat16" (stored as uint16 bits)
+    gate_up: np.ndarray  # [Lm, E, 2F, D] (block formats: [Lm, E, 2F, bytes(D)] uint8)
+    down: np.ndarray  # [Lm, E, D, F] (block formats: [Lm, E, D, bytes(F)] uint8)
+    dtype: str  # a format name of `ftjax.experts.storage.FORMATS`
 
     def __post_init__(self):
-        lm, e, two_f, d = self.gate_up.shape
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if two_f % 2 or self.down.shape != (lm, e, d, two_f // 2):
+        fmt = FORMATS[self.dtype]
+        lm, e, two_f, _ = self.gate_up.shape
+        d = fmt.row_len(self.gate_up.shape[3])
+        if (two_f % 2 or self.gate_up.shape[3] != fmt.stored_shape((d,))[0]
+                or self.down.shape != (lm, e, d, fmt.stored_shape((two_f // 2,))[0])):
             raise ValueError(
                 f"gate_up {self.gate_up.shape} and down {self.down.shape} are not "
-                "[Lm, E, 2F, D] and [Lm, E, D, F]"
+                f"[Lm, E, 2F, D] and [Lm, E, D, F] stored as {self.dtype}"
             )
         for a in (self.gate_up, self.down):
-            if a.dtype != _STORAGE[self.dtype] or not a.flags.c_contiguous or not is_aligned(a):
+            if a.dtype != fmt.storage or not a.flags.c_contiguous or not is_aligned(a):
                 raise ValueError("pool arrays must be C-contiguous, 64-byte aligned storage dtype")
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, d_model: int, d_ff: int,
                  dtype: str = "bfloat16") -> HostExpertPool:
         """Writable, uninitialised pool for a loader to fill; call `freeze()` after."""
-        storage = _STORAGE[canonical_dtype(dtype)]
-        gate_up = aligned_empty((num_layers, num_experts, 2 * d_ff, d_model), storage)
-        down = aligned_empty((num_layers, num_experts, d_model, d_ff), storage)
-        return cls(gate_up, down, canonical_dtype(dtype))
+        fmt = FORMATS[canonical_dtype(dtype)]
+        gate_up = aligned_empty(fmt.stored_shape((num_layers, num_experts, 2 * d_ff, d_model)), fmt.storage)
+        down = aligned_empty(fmt.stored_shape((num_layers, num_experts, d_model, d_ff)), fmt.storage)
+        return cls(gate_up, down, fmt.name)
 
     @classmethod
-    def from_arrays(cls, gate_up: np.ndarray, down: np.ndarray) -> HostExpertPool:
+    def from_arrays(cls, gate_up: np.ndarray, down: np.ndarray, dtype: str | None = None) -> HostExpertPool:
         """Frozen pool from existing arrays: float32, bf16 bits (uint16) or
-        ml_dtypes.bfloat16. Copied only if unaligned or not contiguous; otherwise the
-        pool shares their memory and the caller must not write to them afterwards."""
+        ml_dtypes.bfloat16; or, with dtype = a block format, uint8 arrays of its blocks.
+        Copied only if unaligned or not contiguous; otherwise the pool shares their memory
+        and the caller must not write to them afterwards."""
+        if dtype is not None and FORMATS[canonical_dtype(dtype)].block > 1:
+            return cls(_aligned(np.asarray(gate_up)), _aligned(np.asarray(down)), canonical_dtype(dtype)).freeze()
         gate_up, dtype = _as_storage(gate_up)
         down, down_dtype = _as_storage(down)
         if dtype != down_dtype:
             raise TypeError(f"gate_up is {dtype} but down is {down_dtype}")
         return cls(_aligned(gate_up), _aligned(down), dtype).freeze()
+
+    def converted(self, dtype: str) -> HostExpertPool:
+        """A new frozen pool holding these experts in another format (quantising through
+        float32; a layer at a time, so the float32 copy is one layer's)."""
+        fmt = FORMATS[canonical_dtype(QUANTISED_ALIASES.get(dtype, dtype))]
+        out = HostExpertPool.allocate(self.num_layers, self.num_experts, self.d_model, self.d_ff, fmt.name)
+        src = FORMATS[self.dtype]
+        for m in range(self.num_layers):
+            out.gate_up[m] = fmt.from_f32_numpy(src.to_f32_numpy(self.gate_up[m]))
+            out.down[m] = fmt.from_f32_numpy(src.to_f32_numpy(self.down[m]))
+        return out.freeze()
+
+    def dequantised(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert (layer, e) as float32: gate_up [2F, D], down [D, F] (numpy twins)."""
+        fmt = FORMATS[self.dtype]
+        return fmt.to_f32_numpy(self.gate_up[layer, e]), fmt.to_f32_numpy(self.down[layer, e])
 
     def freeze(self) -> HostExpertPool:
         self.gate_up.flags.writeable = False
@@ -127,11 +149,11 @@ class HostExpertPool:
 
     @property
     def d_model(self) -> int:
-        return self.gate_up.shape[3]
+        return FORMATS[self.dtype].row_len(self.gate_up.shape[3])
 
     @property
     def d_ff(self) -> int:
-        return self.down.shape[3]
+        return self.gate_up.shape[2] // 2
 
     @property
     def expert_bytes(self) -> int:
@@ -152,5 +174,6 @@ class HostExpertPool:
         return self.layer_bytes * self.num_layers
 
     def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views (no copy): gate_up [2F, D], down [D, F] of expert e in MoE layer `layer`."""
+        """Views (no copy) of expert e in MoE layer `layer`: gate_up [2F, D], down [D, F]
+        as stored (block formats: rows of blocks; `dequantised` gives float32)."""
         return self.gate_up[layer, e], self.down[layer, e]

@@ -12,10 +12,20 @@ Two things live here.
        bfloat16   uint16    2              bf16 bit pattern; XLA CPU converts whole
                                            buffers when it sees bf16, so we keep the
                                            bits and `bitcast_convert_type` at use
+       q8_0       uint8     34/32 = 1.06   GGUF Q8_0 blocks: 32 weights share an f16
+                                           scale d, w = d * int8 (load(expert_dtype="int8"))
+       q4_0       uint8     18/32 = 0.56   GGUF Q4_0 blocks: w = d * (nibble - 8)
+                                           (load(expert_dtype="int4"))
 
-   Quantised formats (int8 / int4 group-wise, FP8 block, MXFP4) join this table as rows
-   with more than one array per matrix (values + scales); everything below treats an
-   expert as a pytree of named parts, so they slot in without new code paths.
+   The block formats keep GGUF's bytes exactly: a matrix [rows, n] is stored as uint8
+   [rows, n/32 * block_bytes], each row a run of blocks, so quantising at load and
+   reading a .gguf file's Q8_0 / Q4_0 tensors give the same pool, and the host kernels
+   (host_kernels/kernels.h) read either in place. Group size 32 with f16 scales is
+   GGUF's choice: an f16 scale costs what a bf16 one does and keeps 3 more mantissa bits.
+   Quantisation itself is the `gguf` package's (the reference quantiser llama.cpp's
+   Python tools use), so a pool quantised here is bit-identical to llama.cpp's Q8_0 /
+   Q4_0 of the same weights. A block format's storage dtype (uint8) does not name it:
+   the pool carries its format name, and code that decodes weights is given the format.
 
 2. **Expert parts.** A routed expert is the pytree `{"gate_up": [2F, D], "down": [D, F]}`
    (the Hugging Face fused layout: gate_up rows 0..F-1 gate, F..2F-1 up). The host pool
@@ -62,6 +72,74 @@ def _bf16_to_f32(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32)
 
 
+QUANT_BLOCK = 32  # weights per block of the block formats
+
+
+def _block_scales(blocks: jax.Array) -> jax.Array:
+    """blocks [..., nb, block_bytes] uint8 -> the f16 scale d of each block [..., nb, 1] f32."""
+    return jax.lax.bitcast_convert_type(blocks[..., :2], jnp.float16).astype(jnp.float32)[..., None]
+
+
+def _q8_0_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*34] uint8 -> [..., rows, nb*32] float32 (device, XLA)."""
+    blocks = w.reshape(*w.shape[:-1], -1, 34)
+    q = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)  # [..., nb, 32]
+    return (q * _block_scales(blocks)).reshape(*w.shape[:-1], -1)
+
+
+def _q4_0_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*18] uint8 -> [..., rows, nb*32] float32 (device, XLA)."""
+    blocks = w.reshape(*w.shape[:-1], -1, 18)
+    qs = blocks[..., 2:]  # [..., nb, 16]
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(jnp.float32) - 8.0  # [..., nb, 32]
+    return (q * _block_scales(blocks)).reshape(*w.shape[:-1], -1)
+
+
+def quantise_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of the host kernels' activation quantiser (host_kernels/kernels.h ActQ8):
+    x [..., n] (n % 32 == 0) -> q [..., n] int8, d [..., n/32] float32, per 32 values
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in float32."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    return np.rint(b * inv[..., None]).astype(np.int8).reshape(x.shape), d
+
+
+def act_q8_numpy(x: np.ndarray) -> np.ndarray:
+    """x as a block-format expert sees it: quantised per 32 and dequantised (float32)."""
+    q, d = quantise_activations(x)
+    return (q.reshape(*q.shape[:-1], -1, QUANT_BLOCK) * d[..., None]).reshape(q.shape).astype(np.float32)
+
+
+def act_q8(x: jax.Array) -> jax.Array:
+    """XLA twin of `act_q8_numpy` (the device FFN of a block format): [..., n] f32."""
+    b = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    d = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / jnp.float32(127)
+    inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, 1), 0)
+    return (jnp.round(b * inv) * d).reshape(x.shape)
+
+
+def _gguf_codec(name: str):
+    """(quantise, dequantise) numpy functions of a GGUF block type, from the gguf package
+    (imported on first use)."""
+
+    def quantise(a: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants
+
+        a = np.asarray(a, np.float32)
+        if a.shape[-1] % QUANT_BLOCK:
+            raise ValueError(f"{name} needs rows of a multiple of {QUANT_BLOCK} weights, got {a.shape[-1]}")
+        return quants.quantize(a, GGMLQuantizationType[name.upper()])
+
+    def dequantise(a: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, quants
+
+        return quants.dequantize(np.asarray(a, np.uint8), GGMLQuantizationType[name.upper()]).astype(np.float32)
+
+    return quantise, dequantise
+
+
 @dataclasses.dataclass(frozen=True)
 class Format:
     """How one matrix is stored (see the module table)."""
@@ -72,21 +150,52 @@ class Format:
     to_f32: Callable[[jax.Array], jax.Array]  # device: storage -> float32
     to_f32_numpy: Callable[[np.ndarray], np.ndarray]
     from_f32_numpy: Callable[[np.ndarray], np.ndarray]  # float32 -> storage (rounds)
+    block: int = 1  # weights per block (a row is whole blocks)
+    block_bytes: int = 0  # bytes per block (0: plain, storage itemsize per weight)
+    # what the activations meeting these weights go through (block formats: the int8
+    # quantisation of the host kernels, so every path computes the same products)
+    act: Callable[[jax.Array], jax.Array] = staticmethod(lambda x: x)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one stored row of n weights."""
+        if self.block == 1:
+            return n * self.storage.itemsize
+        if n % self.block:
+            raise ValueError(f"{self.name} rows must hold a multiple of {self.block} weights, got {n}")
+        return n // self.block * self.block_bytes
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Logical matrix shape [..., rows, n] -> the stored array's shape."""
+        return (*shape[:-1], self.row_bytes(shape[-1]) // self.storage.itemsize)
+
+    def row_len(self, stored_cols: int) -> int:
+        """Weights per row from the stored array's last dimension."""
+        return stored_cols if self.block == 1 else stored_cols // self.block_bytes * self.block
+
+
+def _block_format(name: str, block_bytes: int, to_f32) -> Format:
+    quantise, dequantise = _gguf_codec(name)
+    return Format(name, np.dtype(np.uint8), block_bytes / QUANT_BLOCK, to_f32, dequantise, quantise,
+                  QUANT_BLOCK, block_bytes, act_q8)
 
 
 FORMATS: dict[str, Format] = {
     "float32": Format("float32", np.dtype(np.float32), 4, lambda w: w.astype(jnp.float32),
                       lambda a: np.asarray(a, np.float32), lambda a: np.asarray(a, np.float32)),
     "bfloat16": Format("bfloat16", np.dtype(np.uint16), 2, _bf16_to_f32, bf16_bits_to_f32, to_bf16_bits),
+    "q8_0": _block_format("q8_0", 34, _q8_0_to_f32),
+    "q4_0": _block_format("q4_0", 18, _q4_0_to_f32),
 }
-_BY_STORAGE = {f.storage: f for f in FORMATS.values()}
+BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.block > 1)
+_BY_STORAGE = {f.storage: f for f in FORMATS.values() if f.block == 1}
 
 
 def format_of(a) -> Format:
-    """The format an array is stored in, from its dtype (uint16 = bf16 bits)."""
+    """The format of a plain (unblocked) array, from its dtype (uint16 = bf16 bits);
+    block formats are named by their pool, never guessed from uint8."""
     dtype = np.dtype(a.dtype)
     if dtype not in _BY_STORAGE:
-        raise TypeError(f"no weight format is stored as {dtype} (formats: {', '.join(FORMATS)})")
+        raise TypeError(f"no plain weight format is stored as {dtype} (formats: {', '.join(FORMATS)})")
     return _BY_STORAGE[dtype]
 
 
@@ -97,20 +206,27 @@ def as_f32(w: jax.Array) -> jax.Array:
     return w.astype(jnp.float32)
 
 
+# What `load(expert_dtype=...)` accepts for the block formats, besides their names.
+QUANTISED_ALIASES = {"int8": "q8_0", "int4": "q4_0"}
+
+
 def canonical_dtype(dtype) -> str:
-    """'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 -> 'bfloat16'; f32 alike."""
+    """A format name of `FORMATS`: 'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 ->
+    'bfloat16'; f32 alike; 'q8_0' / 'q4_0' as named (a dtype such as int8 is not a
+    format: `QUANTISED_ALIASES` are resolved where users name an expert dtype)."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "uint16": "bfloat16",
-               "f32": "float32", "fp32": "float32", "float32": "float32"}
+               "f32": "float32", "fp32": "float32", "float32": "float32", "q8_0": "q8_0", "q4_0": "q4_0"}
     if name not in aliases:
-        raise ValueError(f"unsupported expert dtype {dtype!r}")
+        raise ValueError(f"unsupported expert format {dtype!r} (formats: {', '.join(FORMATS)})")
     return aliases[name]
 
 
 # ---- expert parts ---------------------------------------------------------------------
 
 def expert_part_shapes(d_model: int, d_ff: int) -> dict[str, tuple[int, ...]]:
-    """Shape of each part of ONE expert: gate_up [2F, D], down [D, F]."""
+    """Logical shape of each part of ONE expert: gate_up [2F, D], down [D, F] (a block
+    format stores [2F, bytes(D)], [D, bytes(F)]: `Format.stored_shape`)."""
     return {"gate_up": (2 * d_ff, d_model), "down": (d_model, d_ff)}
 
 

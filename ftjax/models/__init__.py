@@ -8,7 +8,8 @@ from types import ModuleType
 
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.models import deltanet  # noqa: F401  (registers the gated_deltanet layer kind)
-from ftjax.models import mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from ftjax.models import mla  # noqa: F401  (registers the mla layer kind)
+from ftjax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
 FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
@@ -18,6 +19,8 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_next": qwen3_next,
     "qwen3_5_moe": qwen3_5_moe,  # the multimodal checkpoint: its text model is loaded
     "qwen3_5_moe_text": qwen3_5_moe,
+    "glm4_moe": glm4_moe,
+    "deepseek_v3": deepseek_v3,
 }
 
 

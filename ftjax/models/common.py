@@ -3,7 +3,9 @@ dense SwiGLU MLP or the MoE block), final norm and LM head.
 
 Dimension legend (used in every shape comment of the package):
     B batch, T query tokens, S cache length, D model dim, F expert FFN dim,
-    E experts, K top-k, H heads, G kv heads, L layers, Lm MoE layers, V vocab, N = B*T.
+    E experts, K top-k, H heads, G kv heads, L layers, Lm MoE layers, V vocab, N = B*T,
+    Ng expert groups (sigmoid_group routing), R latent width (MLA's kv_lora_rank),
+    dn / dr / dv MLA's per-head no-RoPE / RoPE query-key dims and value dim.
 
 Design
 - Every supported family is this one decoder with switches held in `ModelConfig`
@@ -13,6 +15,11 @@ Design
   the model's state is the tuple of the layers' state pytrees (`init_state`), threaded
   through the forward pass and donated by the compiled steps. Every row of the batch has
   its own position (`Step.start`), so sessions at different positions decode together.
+- The router is data too (`ModelConfig.router`): "softmax" (softmax over all experts,
+  top-k, optionally renormalised: Qwen, Mixtral, OLMoE) or "sigmoid_group" (DeepSeek-V3,
+  GLM-4.5: sigmoid scores, selection on scores + a learned correction bias limited to
+  the best expert groups, weights from the unbiased scores). Both end in the same
+  (ids [N, K] int32, weights [N, K]) the executor takes.
 - Routed expert weights are NOT parameters of these modules. The MoE block computes
   the router, then hands (token, expert, weight) assignments to an *expert executor*
   (`ftjax.experts.executor`), a static policy object plus a pytree of device state
@@ -62,22 +69,56 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return ids.astype(jnp.int32), weights
 
 
+def route_sigmoid_group(logits: jax.Array, bias: jax.Array, top_k: int, n_group: int, topk_group: int,
+                        normalize: bool, scale: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3 routing (`noaux_tc`). logits [N, E], bias [E] (e_score_correction_bias)
+    -> ids [N, K] int32, weights [N, K] f32.
+
+    scores = sigmoid(logits); selection ranks scores + bias, first by group (the Ng
+    groups of E/Ng consecutive experts score the sum of their top two, the best
+    topk_group stay eligible), then the top K eligible experts; their weights are the
+    unbiased scores, renormalised if `normalize`, times `scale`."""
+    N, E = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    biased = scores + bias.astype(jnp.float32)  # [N, E]
+    group_scores = jnp.sum(jax.lax.top_k(biased.reshape(N, n_group, E // n_group), 2)[0], axis=-1)  # [N, Ng]
+    _, groups = jax.lax.top_k(group_scores, topk_group)  # [N, topk_group]
+    kept = jnp.any(groups[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)  # [N, Ng]
+    eligible = jnp.repeat(kept, E // n_group, axis=1)  # [N, E]
+    _, ids = jax.lax.top_k(jnp.where(eligible, biased, -jnp.inf), top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scale
+
+
 class MoEBlock(nnx.Module):
     """Router (+ shared expert); the routed experts run wherever the executor puts them."""
 
     def __init__(self, cfg: ModelConfig, moe_index: int, dtype=jnp.float32, packed: bool = False):
         self.cfg, self.moe_index = cfg, moe_index
         self.w_router = linear_param(cfg.d_model, cfg.num_experts, dtype, packed)
+        if cfg.router == "sigmoid_group":
+            self.router_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))  # e_score_correction_bias [E]
         if cfg.shared_expert_d_ff:
             self.shared = DenseMLP(cfg.d_model, cfg.shared_expert_d_ff, dtype, packed)
             if cfg.shared_expert_gate:
                 self.w_shared_gate = linear_param(cfg.d_model, 1, dtype, packed)
 
+    def route(self, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """flat [N, D] -> ids [N, K] int32, weights [N, K] f32, by the config's router."""
+        cfg = self.cfg
+        logits = linear(flat, self.w_router[...])  # [N, E]
+        if cfg.router == "sigmoid_group":
+            return route_sigmoid_group(logits, self.router_bias[...], cfg.top_k, cfg.n_group, cfg.topk_group,
+                                       cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return route(logits, cfg.top_k, cfg.norm_topk_prob)
+
     def __call__(self, x: jax.Array, valid: jax.Array, experts: ExpertCall, expert_state):
         """x [B, T, D], valid [B, T] -> [B, T, D]."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)  # [N, D]
-        ids, weights = route(linear(flat, self.w_router[...]), self.cfg.top_k, self.cfg.norm_topk_prob)
+        ids, weights = self.route(flat)
         y, expert_state = experts(self.moe_index, flat, ids, weights.astype(flat.dtype), valid.reshape(-1), expert_state)
         if self.cfg.shared_expert_d_ff:
             shared = self.shared(flat)
@@ -145,7 +186,8 @@ class CausalLM(nnx.Module):
         B, T = valid.shape
         start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        return Step(positions, start, valid, rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta))
+        return Step(positions, start, valid, rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta,
+                                                         self.cfg.rope_scaling))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         rows = self.embed[...][tokens]  # [B, T, D]

@@ -1,11 +1,15 @@
-"""Helpers the family files share to read HF configs: the fields every decoder has, and
-the per-layer MoE / sliding-window patterns."""
+"""Helpers the family files share to read HF configs: the fields every decoder has, the
+per-layer MoE / sliding-window patterns, the hybrids' fields, and the DeepSeek-style MoE
+fields (first_k_dense_replace, shared experts, sigmoid group routing) of glm4_moe and
+deepseek_v3."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from ftjax.config import ConfigError, DeltaNetConfig, ModelConfig, eos_ids, hf_get, rope_theta, validate
+from ftjax.config import (ConfigError, DeltaNetConfig, ModelConfig, eos_ids, hf_get, rope_params, rope_theta,
+                          validate)
 
 
 def sparse_layers(hf: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -29,8 +33,9 @@ def sliding_windows(hf: dict[str, Any], num_layers: int, enabled: bool) -> tuple
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
-def base_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Fields read the same way for every family."""
+def base_fields(hf: dict[str, Any], yarn: bool = False) -> dict[str, Any]:
+    """Fields read the same way for every family. yarn: the family implements YaRN rope
+    scaling (`config.rope_params`); else only the default RoPE is accepted."""
     d_model = int(hf_get(hf, "d_model"))
     num_heads = int(hf_get(hf, "num_heads"))
     act = hf.get("hidden_act", "silu")
@@ -46,7 +51,7 @@ def base_fields(hf: dict[str, Any]) -> dict[str, Any]:
         head_dim=int(hf.get("head_dim") or d_model // num_heads),
         num_experts=int(hf_get(hf, "num_experts")),
         top_k=int(hf_get(hf, "top_k")),
-        rope_theta=rope_theta(hf),
+        **(dict(zip(("rope_theta", "rope_scaling"), rope_params(hf))) if yarn else dict(rope_theta=rope_theta(hf))),
         rms_norm_eps=float(hf_get(hf, "rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf_get(hf, "tie_embeddings", False)),
         max_position=int(hf_get(hf, "max_position", 4096)),
@@ -123,3 +128,54 @@ def hybrid_config(hf: dict[str, Any], fused_qkvz: bool) -> ModelConfig:
         shared_expert_gate=True,
         **hybrid_fields(hf, f["num_layers"], f["head_dim"], fused_qkvz),
     ))
+
+
+# DeepSeek-style MoE: the values transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter implement.
+TOPK_METHODS = (None, "noaux_tc")
+SCORING_FUNCS = (None, "sigmoid")
+
+
+def deepseek_moe_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """MoE fields of glm4_moe / deepseek_v3: the first `first_k_dense_replace` layers dense
+    (intermediate_size), then MoE layers of `n_routed_experts` routed experts plus
+    `n_shared_experts` ungated shared experts (one MLP of n_shared x moe_intermediate_size),
+    routed by `sigmoid_group`. Values transformers does not implement either (another
+    `topk_method` or `scoring_func`, `moe_layer_freq` != 1, a quantized checkpoint) are a
+    ConfigError naming the value."""
+    if hf.get("topk_method") not in TOPK_METHODS:
+        raise ConfigError(f"topk_method {hf['topk_method']!r} is not supported (only 'noaux_tc')")
+    if hf.get("scoring_func") not in SCORING_FUNCS:
+        raise ConfigError(f"scoring_func {hf['scoring_func']!r} is not supported (only 'sigmoid')")
+    if int(hf.get("moe_layer_freq") or 1) != 1:
+        raise ConfigError(f"moe_layer_freq {hf['moe_layer_freq']!r} is not supported (only 1: every layer "
+                          "from first_k_dense_replace on is MoE)")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"quantization_config {method!r} is not supported (use a bf16 / fp32 checkpoint)")
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    d_ff_expert = int(hf["moe_intermediate_size"])
+    return dict(
+        d_ff=int(hf.get("intermediate_size") or 0),
+        d_ff_expert=d_ff_expert,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_layers=tuple(i >= dense for i in range(num_layers)),
+        sliding_windows=(0,) * num_layers,
+        shared_expert_d_ff=int(hf.get("n_shared_experts") or 0) * d_ff_expert,
+        shared_expert_gate=False,
+        router="sigmoid_group",
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+    )
+
+
+def mtp_ignored_keys(hf: dict[str, Any]) -> list[tuple[re.Pattern, str]]:
+    """The multi-token-prediction layers GLM-4.5 / DeepSeek-V3 checkpoints store as
+    model.layers.{L .. L + num_nextn_predict_layers - 1}: not part of the decoder."""
+    n, L = int(hf.get("num_nextn_predict_layers") or 0), int(hf_get(hf, "num_layers"))
+    if n <= 0:
+        return []
+    layers = "|".join(str(L + i) for i in range(n))
+    return [(re.compile(rf"model\.layers\.({layers})\..*"),
+             "the multi-token-prediction layers (speculative decoding) are not used")]

@@ -26,6 +26,8 @@ Kinds
                 (Qwen3-Next, Qwen3.5).
     gated_deltanet   linear attention with a fixed-size recurrent state
                 (`ftjax.models.deltanet`).
+    mla         multi-head latent attention over a latent cache {"c_kv", "k_pe"}
+                (DeepSeek-V3, `ftjax.models.mla`).
 """
 
 from __future__ import annotations

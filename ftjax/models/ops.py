@@ -13,9 +13,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ftjax import host
+from ftjax.config import RopeScaling
 from ftjax.experts.storage import as_f32
 
 
@@ -80,13 +82,39 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
-def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, rd] for the default (non-scaled) rotary embedding over the first
-    rd = rotary_dim dims of a head (rd = hd unless the rotary is partial)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float,
+                 scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rd] for the rotary embedding over the first rd = rotary_dim dims
+    of a head (rd = hd unless the rotary is partial): the default RoPE, or YaRN
+    (`yarn_inv_freq`, cos and sin times its attention factor) when `scaling` is given."""
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    else:
+        inv_freq = jnp.asarray(yarn_inv_freq(rotary_dim, theta, scaling))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if scaling is None:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scaling.attention_factor, jnp.sin(emb) * scaling.attention_factor
+
+
+def yarn_inv_freq(dim: int, theta: float, y: RopeScaling) -> np.ndarray:
+    """YaRN inverse frequencies [dim/2] float32, as transformers' `_compute_yarn_parameters`:
+    dims rotating fewer than beta_slow times over the original context are interpolated
+    (divided by the factor), more than beta_fast times kept, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (np.float32(y.factor) * pos_freqs)
+    keep = 1.0 - np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0.0, 1.0).astype(np.float32)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

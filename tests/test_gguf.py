@@ -1,0 +1,225 @@
+"""GGUF checkpoints (`ftjax.gguf_checkpoint`): tiny HF checkpoints written with
+`write_gguf` load with `ftjax.load(path.gguf)` and equal the folder models (block-format
+experts byte for byte: both sides quantise with gguf's quantiser), the embedded default
+model's tokenizer and greedy tokens survive the round trip, and bad files fail with an
+error naming the file and the tensor."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import ftjax
+import hf_models
+from ftjax.checkpoint import CheckpointError
+from ftjax.gguf_checkpoint import write_gguf
+from ftjax.model import DEFAULT_MODEL_DIR
+
+PROMPT = [int(t) for t in np.random.RandomState(0).randint(0, 96, size=12)]
+# widths that are whole 32-weight blocks (d_model, expert FFN width)
+BLOCK_SIZES = {
+    "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, head_dim=16, mlp_only_layers=[]),
+    "olmoe": dict(hidden_size=64, intermediate_size=32),
+}
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def rewrite(src, dst, *, arch=None, retype=None, drop=(), meta=None):
+    """Copy a GGUF with the gguf package, changing the architecture name, the type of some
+    tensors (dequantised, then quantised to the new type), dropping tensors or metadata."""
+    retype, meta = retype or {}, meta or {}
+    r = gguf.GGUFReader(src)
+    old_arch = r.get_field("general.architecture").contents()
+    w = gguf.GGUFWriter(dst, arch or old_arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in meta:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for key, value in meta.items():
+        if value is not None:
+            w.add_string(key, value)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        if t.name in retype:
+            q = gguf.GGMLQuantizationType[retype[t.name]]
+            a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+            w.add_tensor(t.name, gguf.quants.quantize(a.astype(np.float32), q), raw_dtype=q)
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    """(HF folder, its Q8_0-experts GGUF) of a tiny qwen3_moe with block-sized widths."""
+    d = tmp_path_factory.mktemp("tiny")
+    folder = hf_models.save(hf_models.build("qwen3_moe", seed=11, **BLOCK_SIZES["qwen3_moe"]), d / "hf")
+    return folder, write_gguf(folder, d / "tiny-q8_0.gguf", "Q8_0")
+
+
+@pytest.mark.parametrize("family", sorted(BLOCK_SIZES))
+@pytest.mark.parametrize("expert_type,expert_dtype", [("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_block_experts_equal_quantised_folder(family, expert_type, expert_dtype, tmp_path):
+    """Q8_0 / Q4_0 experts are copied as stored: the pool is byte-identical to the folder
+    model quantised at load, and so are the logits."""
+    folder = hf_models.save(hf_models.build(family, seed=7, **BLOCK_SIZES[family]), tmp_path / "hf")
+    path = write_gguf(folder, tmp_path / f"{family}.gguf", expert_type)
+    model = ftjax.load(path)
+    ref = ftjax.load(folder, expert_dtype=expert_dtype)
+    pool, ref_pool = model.checkpoint.pool, ref.checkpoint.pool
+    assert pool.dtype == ref_pool.dtype == expert_type.lower()
+    assert np.array_equal(pool.gate_up, ref_pool.gate_up) and np.array_equal(pool.down, ref_pool.down)
+    assert model.config == ref.config and model.tokenizer is None  # no tokenizer.json: none in the GGUF
+    assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])
+def test_f32_experts_equal_safetensors(family, tmp_path):
+    """Every family's metadata and tensor names round-trip: the default tiny geometries (a
+    dense qwen3 layer, OLMoE's clip_qkv and full-width q/k norms, Qwen2-MoE's shared expert
+    and qkv bias) give the safetensors model's logits."""
+    folder = hf_models.save(hf_models.build(family, seed=8), tmp_path / "hf")
+    path = write_gguf(folder, tmp_path / f"{family}-f32.gguf", "F32")
+    model, ref = ftjax.load(path), ftjax.load(folder)
+    assert model.checkpoint.pool.dtype == "float32" and model.config == ref.config
+    assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+
+
+def test_bf16_file_stays_bf16(tmp_path):
+    """BF16 experts go into a bfloat16 pool and BF16 dense matrices stay packed bf16 bits, as
+    for a bf16 folder; dense_dtype="float32" unpacks them."""
+    folder = hf_models.save(hf_models.build("qwen3_moe", seed=9), tmp_path / "hf", dtype=torch.bfloat16)
+    path = write_gguf(folder, tmp_path / "bf16.gguf", "BF16")
+    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2} == {"BF16"}
+    model, ref = ftjax.load(path), ftjax.load(folder)
+    assert model.checkpoint.packed and model.checkpoint.pool.dtype == "bfloat16"
+    assert np.array_equal(model.checkpoint.pool.gate_up, ref.checkpoint.pool.gate_up)
+    assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-6
+    unpacked = ftjax.load(path, dense_dtype="float32")
+    assert not unpacked.checkpoint.packed
+    assert rel_err(unpacked.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def default_pair(tmp_path_factory):
+    """The embedded default model as a Q8_0 GGUF, and the folder model with int8 experts."""
+    path = write_gguf(DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("default") / "default-q8_0.gguf", "Q8_0")
+    return ftjax.load(path), ftjax.load(None, expert_dtype="int8")
+
+
+TEXTS = ["It is a truth universally acknowledged, that a single man",
+         "<|im_start|>user\nWho was Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n",
+         "  spaces,\ttabs\n\nnumbers 12345 and ünïcödé — “quotes” 😀",
+         "<think>\nhmm\n</think><tool_call>{}</tool_call><|endoftext|>"]
+
+
+def test_default_model_tokenizer_round_trips(default_pair):
+    gg, folder = default_pair
+    tok, ref = gg.tokenizer, folder.tokenizer
+    assert tok is not None and tok.vocab_size == ref.vocab_size
+    assert tok.added_token_ids == ref.added_token_ids and tok.special_ids == ref.special_ids
+    assert tok.eos_token_ids == ref.eos_token_ids and gg.eos_ids == folder.eos_ids
+    assert tok.special_tokens_map == {k: v for k, v in ref.special_tokens_map.items()}
+    for text in TEXTS:
+        ids = ref.encode(text)
+        assert tok.encode(text) == ids
+        assert tok.decode(ids) == ref.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False) == text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat) == ref.apply_chat_template(chat)
+
+
+def test_default_model_generates_as_folder(default_pair):
+    gg, folder = default_pair
+    assert gg.config == folder.config and gg.checkpoint.packed == folder.checkpoint.packed
+    assert np.array_equal(gg.checkpoint.pool.gate_up, folder.checkpoint.pool.gate_up)
+    ids = folder.tokenizer.encode("It is a truth universally acknowledged")
+    assert gg.generate(ids, 24) == folder.generate(ids, 24)
+    assert len(gg.fingerprint) == 64 and gg.fingerprint != folder.fingerprint
+
+
+def test_expert_dtype_must_match_the_file(tiny_q8):
+    folder, path = tiny_q8
+    assert ftjax.load(path, expert_dtype="q8_0").checkpoint.pool.dtype == "q8_0"
+    with pytest.raises(CheckpointError, match=r"expert_dtype 'int4' does not match .*\(q8_0\)"):
+        ftjax.load(path, expert_dtype="int4")
+
+
+@pytest.mark.parametrize("retype,message", [
+    ({"blk.1.ffn_up_exps.weight": "Q4_1"}, r"blk\.1\.ffn_up_exps\.weight is Q4_1: .*llama-quantize --pure"),
+    ({"blk.0.ffn_down_exps.weight": "F16"},
+     r"blk\.0\.ffn_down_exps\.weight is F16 but blk\.0\.ffn_gate_exps\.weight is Q8_0: .*llama-quantize --pure"),
+])
+def test_unsupported_expert_types(tiny_q8, tmp_path, retype, message):
+    bad = rewrite(tiny_q8[1], tmp_path / "bad.gguf", retype=retype)
+    with pytest.raises(CheckpointError, match=message):
+        ftjax.load(bad)
+
+
+def test_quantised_dense_tensors_are_dequantised(tiny_q8, tmp_path):
+    """A dense tensor of a quantised type (here a Q8_0 q projection) is dequantised by the
+    gguf package to a float32 [in, out] parameter."""
+    path = rewrite(tiny_q8[1], tmp_path / "q8-attn.gguf", retype={"blk.0.attn_q.weight": "Q8_0"})
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+    assert t.tensor_type.name == "Q8_0"
+    model, ref = ftjax.load(path), ftjax.load(tiny_q8[1])
+    wq = np.asarray(model._params["layers"][0]["attn"]["wq"][...])
+    assert np.array_equal(wq, gguf.quants.dequantize(t.data, t.tensor_type).T)
+    assert 0 < rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 0.05
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(arch="llama"), CheckpointError, r"architecture 'llama' is not supported"),
+    (dict(drop=("blk.1.attn_k.weight",)), CheckpointError, r"missing tensors blk\.1\.attn_k\.weight"),
+    (dict(drop=("blk.2.ffn_up_exps.weight",)), CheckpointError, r"block 2 has expert tensors \['down', 'gate'\]"),
+    (dict(meta={"qwen3moe.expert_count": None}), ValueError, r"no metadata key qwen3moe\.expert_count"),
+])
+def test_malformed_files(tiny_q8, tmp_path, change, error, message):
+    bad = rewrite(tiny_q8[1], tmp_path / "bad.gguf", **change)
+    with pytest.raises(error, match=r"bad\.gguf: .*" + message):
+        ftjax.load(bad)
+
+
+def test_unsupported_tokenizer_model(tmp_path):
+    """A tokenizer other than byte-level BPE is named, not guessed at."""
+    src = tmp_path / "d.gguf"
+    write_gguf(DEFAULT_MODEL_DIR, src, "Q4_0")
+    bad = rewrite(src, tmp_path / "spm.gguf", meta={"tokenizer.ggml.model": "llama"})
+    with pytest.raises(CheckpointError, match=r"spm\.gguf: tokenizer\.ggml\.model 'llama' is not supported"):
+        ftjax.load(bad)
+    bad = rewrite(src, tmp_path / "pre.gguf", meta={"tokenizer.ggml.pre": "deepseek-llm"})
+    with pytest.raises(CheckpointError, match=r"tokenizer\.ggml\.pre 'deepseek-llm' is not supported"):
+        ftjax.load(bad)
+
+
+def test_no_vocabulary_file_loads_without_tokenizer(tiny_q8, tmp_path):
+    """llama.cpp's converter writes tokenizer.ggml.model "none" for a folder without a
+    tokenizer (the benchmarks' geometry checkpoints): the model loads, ids in, ids out."""
+    none = rewrite(tiny_q8[1], tmp_path / "none.gguf", meta={"tokenizer.ggml.model": "none"})
+    model = ftjax.load(none)
+    assert model.tokenizer is None and len(model.generate([1, 2, 3], 4)) == 4
+
+
+@pytest.mark.parametrize("keep", [0.5, 100])
+def test_truncated_file(tiny_q8, tmp_path, keep):
+    """A file cut short fails with an error naming it; a model already loaded is untouched."""
+    folder, path = tiny_q8
+    good = ftjax.load(path)
+    before = good.logits(PROMPT)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: .*truncated"):
+        ftjax.load(cut)
+    assert np.array_equal(good.logits(PROMPT), before)
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        ftjax.load(tmp_path / "missing.gguf")
