@@ -89,7 +89,7 @@ from ftjax.checkpoint import Checkpoint, CheckpointError, classify, expected_par
     load_checkpoint, model_config
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import QUANTISED_ALIASES, canonical_dtype
+from ftjax.experts.storage import BLOCK_FORMATS, QUANTISED_ALIASES, canonical_dtype
 
 # llama.cpp architecture -> ftjax model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -290,7 +290,7 @@ def dense_f32(t, path: Path) -> np.ndarray:
 
 def expert_storage(t, pool_dtype: str) -> np.ndarray:
     """An expert tensor in the pool's storage, as stored: block bytes, bf16 bits or float32."""
-    if pool_dtype in ("q8_0", "q4_0"):
+    if pool_dtype in BLOCK_FORMATS:
         return t.data  # uint8 [E, rows, bytes(row)]: GGUF's blocks are the pool's
     if pool_dtype == "bfloat16":
         return t.data.view(np.uint16)  # uint8 [..., 2n] little-endian -> bf16 bits [..., n]

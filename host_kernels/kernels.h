@@ -66,11 +66,6 @@ inline float weight_at(const uint16_t* row, int64_t i) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-// Elements per unit of W, and the unit holding element i (plain types: 1, row + i).
-template <typename W> constexpr int64_t kElemsPer = 1;
-template <typename W>
-inline const W* unit_at(const W* row, int64_t i) { return row + i / kElemsPer<W>; }
-
 // Activations meeting block-format weights are quantised the same way, per 32: an f32
 // scale d = max|x| / 127 and q = round-to-even(x * (1 / d)) (d = 0: q = 0), so a
 // block's dot product is d_w * d_x * (integer sum of 32 products), exact in int32.

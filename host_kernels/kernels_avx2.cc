@@ -33,12 +33,6 @@ FTJAX_AVX2 inline void load16(const uint16_t* p, __m256& odd, __m256& even) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// Elements [i, i + 16) of a weight row (i % 16 == 0) as two 8-float vectors.
-template <typename W>
-FTJAX_AVX2 inline void load16(const W* row, int64_t i, __m256& a, __m256& b) {
-  load16(row + i, a, b);
-}
-
 FTJAX_AVX2 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,12 +49,10 @@ FTJAX_AVX2 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Prefetch the bytes of elements [i, i + kStep) of a row, kPrefetchBytes ahead.
 template <typename W>
-FTJAX_AVX2 inline void prefetch_step(const W* row, int64_t i) {
-  const char* p = reinterpret_cast<const char*>(unit_at(row, i)) + kPrefetchBytes;
-  for (int64_t l = 0; l < kStep / kElemsPer<W> * static_cast<int64_t>(sizeof(W)); l += 64)
-    _mm_prefetch(p + l, _MM_HINT_T0);
+FTJAX_AVX2 inline void prefetch_step(const W* row) {
+  for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
+    _mm_prefetch(reinterpret_cast<const char*>(row + l) + kPrefetchBytes, _MM_HINT_T0);
 }
 
 // R x J tile of full-length dots (several tokens share each weight load).
@@ -79,7 +71,7 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
   auto step = [&](int64_t i, int c) FTJAX_AVX2 {  // elements [i, i + 16)
     for (int r = 0; r < R; ++r) {
       __m256 wa, wb;
-      load16(rows[r], i, wa, wb);
+      load16(rows[r] + i, wa, wb);
       for (int j = 0; j < J; ++j) {  // x reloaded from L1: registers go to accumulators
         __m256 xa, xb;
         load16(vecs[j] + i, xa, xb);
@@ -90,7 +82,7 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
   };
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    for (int r = 0; r < R; ++r) prefetch_step(rows[r], i);
+    for (int r = 0; r < R; ++r) prefetch_step(rows[r] + i);
     for (int s = 0; s < kStep / 16; ++s) step(i + 16 * s, (2 * s) % C);
   }
   for (; i + 16 <= n; i += 16) step(i, 0);
@@ -113,10 +105,10 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    prefetch_step(row, i);
+    prefetch_step(row + i);
     for (int s = 0; s < kStep / 16; ++s) {
       __m256 wa, wb, xa, xb;
-      load16(row, i + 16 * s, wa, wb);
+      load16(row + i + 16 * s, wa, wb);
       load16(vec + i + 16 * s, xa, xb);
       acc[2 * s] = _mm256_fmadd_ps(wa, xa, acc[2 * s]);
       acc[2 * s + 1] = _mm256_fmadd_ps(wb, xb, acc[2 * s + 1]);
@@ -124,7 +116,7 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   }
   for (; i + 16 <= n; i += 16) {
     __m256 wa, wb, xa, xb;
-    load16(row, i, wa, wb);
+    load16(row + i, wa, wb);
     load16(vec + i, xa, xb);
     acc[0] = _mm256_fmadd_ps(wa, xa, acc[0]);
     acc[1] = _mm256_fmadd_ps(wb, xb, acc[1]);

@@ -36,12 +36,6 @@ FTJAX_AVX512 inline void load32(const uint16_t* p, __m512& odd, __m512& even) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// Elements [i, i + 32) of a weight row (i % 32 == 0) as two 16-float vectors.
-template <typename W>
-FTJAX_AVX512 inline void load32(const W* row, int64_t i, __m512& a, __m512& b) {
-  load32(row + i, a, b);
-}
-
 FTJAX_AVX512 inline __m256 fold(__m512 v) {  // 16 lanes -> 8 lanes, same total
   return _mm256_add_ps(_mm512_castps512_ps256(v),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -64,12 +58,10 @@ FTJAX_AVX512 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Prefetch the bytes of elements [i, i + kStep) of a row, kPrefetchBytes ahead.
 template <typename W>
-FTJAX_AVX512 inline void prefetch_step(const W* row, int64_t i) {
-  const char* p = reinterpret_cast<const char*>(unit_at(row, i)) + kPrefetchBytes;
-  for (int64_t l = 0; l < kStep / kElemsPer<W> * static_cast<int64_t>(sizeof(W)); l += 64)
-    _mm_prefetch(p + l, _MM_HINT_T0);
+FTJAX_AVX512 inline void prefetch_step(const W* row) {
+  for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
+    _mm_prefetch(reinterpret_cast<const char*>(row + l) + kPrefetchBytes, _MM_HINT_T0);
 }
 
 template <typename W, int R, int J>
@@ -87,7 +79,7 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
   auto step = [&](int64_t i, int c) FTJAX_AVX512 {  // elements [i, i + 32)
     for (int r = 0; r < R; ++r) {
       __m512 wa, wb;
-      load32(rows[r], i, wa, wb);
+      load32(rows[r] + i, wa, wb);
       for (int j = 0; j < J; ++j) {  // x reloaded from L1: registers go to accumulators
         __m512 xa, xb;
         load32(vecs[j] + i, xa, xb);
@@ -98,7 +90,7 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
   };
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    for (int r = 0; r < R; ++r) prefetch_step(rows[r], i);
+    for (int r = 0; r < R; ++r) prefetch_step(rows[r] + i);
     for (int s = 0; s < kStep / 32; ++s) step(i + 32 * s, (2 * s) % C);
   }
   for (; i + 32 <= n; i += 32) step(i, 0);
@@ -121,10 +113,10 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    prefetch_step(row, i);
+    prefetch_step(row + i);
     for (int s = 0; s < kStep / 32; ++s) {
       __m512 wa, wb, xa, xb;
-      load32(row, i + 32 * s, wa, wb);
+      load32(row + i + 32 * s, wa, wb);
       load32(vec + i + 32 * s, xa, xb);
       acc[2 * s] = _mm512_fmadd_ps(wa, xa, acc[2 * s]);
       acc[2 * s + 1] = _mm512_fmadd_ps(wb, xb, acc[2 * s + 1]);
@@ -132,7 +124,7 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   }
   for (; i + 32 <= n; i += 32) {
     __m512 wa, wb, xa, xb;
-    load32(row, i, wa, wb);
+    load32(row + i, wa, wb);
     load32(vec + i, xa, xb);
     acc[0] = _mm512_fmadd_ps(wa, xa, acc[0]);
     acc[1] = _mm512_fmadd_ps(wb, xb, acc[1]);
