@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from ftjax.config import ConfigError, ModelConfig, read_config_json, validate
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, QUANTISED_ALIASES
+from ftjax.experts.storage import BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES
 from ftjax.models import config_from_hf, family
 
 
@@ -74,6 +74,9 @@ CANONICAL: list[tuple[re.Pattern, tuple]] = [
     (re.compile(_L + r"self_attn\.q_a_proj\.bias"), ("param", "layers.{layer}.attn.b_q_a", False)),
     (re.compile(_L + r"self_attn\.kv_a_proj_with_mqa\.bias"), ("param", "layers.{layer}.attn.b_kv_a", False)),
     (re.compile(_L + r"self_attn\.(?P<p>q_a|kv_a)_layernorm\.weight"), ("param", "layers.{layer}.attn.{p}_norm.weight", False)),
+    # DeepSeek sparse attention's indexer (GLM-5; `models.dsa`)
+    (re.compile(_L + r"self_attn\.indexer\.(?P<p>wq_b|wk|weights_proj)\.weight"), ("param", "layers.{layer}.attn.indexer.{p}", True)),
+    (re.compile(_L + r"self_attn\.indexer\.k_norm\.(?P<p>weight|bias)"), ("param", "layers.{layer}.attn.indexer.k_norm.{p}", False)),
     (re.compile(_L + r"linear_attn\.in_proj_(?P<p>qkvz|ba|qkv|z|b|a)\.weight"), ("param", "layers.{layer}.attn.w_{p}", True)),
     (re.compile(_L + r"linear_attn\.conv1d\.weight"), ("param", "layers.{layer}.attn.conv_w", False)),
     (re.compile(_L + r"linear_attn\.(?P<p>dt_bias|A_log)"), ("param", "layers.{layer}.attn.{p}", False)),
@@ -289,15 +292,15 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     matrices (attention, router, shared experts, embedding, LM head). Each "bfloat16"
     or "float32"; default: bfloat16 for bf16 checkpoints, float32 otherwise. bfloat16
     is only kept where the stored tensors are bf16 (no silent rounding). Experts may
-    also be quantised at load: expert_dtype "int8" (= "q8_0") or "int4" (= "q4_0"), the
-    GGUF block formats of `ftjax.experts.storage` (d_model and the expert FFN width must
-    be multiples of 32).
+    also be quantised at load: expert_dtype "int8" (= "q8_0"), "int4" (= "q4_0") or "q4_k",
+    the GGUF block formats of `ftjax.experts.storage` (d_model and the expert FFN width must
+    be multiples of the format's block: 32, or 256 for q4_k).
     """
-    quantised = {**QUANTISED_ALIASES, **{name: name for name in QUANTISED_ALIASES.values()}}
+    quantised = {**QUANTISED_ALIASES, **{name: name for name in BLOCK_FORMATS}}
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
     if expert_dtype not in (None, "bfloat16", "float32", *quantised):
-        raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0) or 'int4' (q4_0), "
+        raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0), 'int4' (q4_0) or 'q4_k', "
                          f"got {expert_dtype!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -339,9 +342,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
                           f"({type(e).__name__}: {e})") from None
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
     block = FORMATS[pool_dtype].block
-    if (D % block or F % block) and Lm:
-        raise ConfigError(f"expert_dtype {expert_dtype!r} stores blocks of {block} weights: hidden_size ({D}) and the "
-                          f"expert FFN width ({F}) must be multiples of {block}")
+    misfits = [f"{name} ({n})" for name, n in (("hidden_size", D), ("the expert FFN width", F)) if n % block]
+    if misfits and Lm:
+        raise ConfigError(f"expert_dtype {expert_dtype!r} stores rows as blocks of {block} weights: "
+                          f"{' and '.join(misfits)} must be a multiple of {block}")
     # Pass 1: every name, layer, expert id and shape is checked, and every expected tensor
     # found, before anything is allocated or read (a config claiming huge sizes fails here).
     param_refs: dict[str, tuple[TensorRef, tuple]] = {}  # dotted path -> (ref, classification)

@@ -1,10 +1,11 @@
 """Model configuration: one frozen, hashable dataclass built from a Hugging Face config.json.
 
 Design: every family (qwen3_moe, qwen2_moe, mixtral, olmoe, the hybrids, glm4_moe,
-deepseek_v3) is the same decoder with a few switches (q/k norm kind, qkv bias, shared
+deepseek_v3, glm_moe_dsa) is the same decoder with a few switches (q/k norm kind, qkv bias, shared
 expert, which layers are MoE, sliding windows, the router kind, the layer kinds).
 Sub-dataclasses hold what only some families have: `DeltaNetConfig` (linear
-attention), `MLAConfig` (multi-head latent attention), `RopeScaling` (YaRN). `ModelConfig` holds those switches as plain data so the model code never
+attention), `MLAConfig` (multi-head latent attention), `DSAConfig` (the sparse-attention
+indexer of GLM-5), `RopeScaling` (YaRN). `ModelConfig` holds those switches as plain data so the model code never
 branches on `model_type`; each family file only translates its HF config and tensor
 names into this form. Because the dataclass is frozen and hashable it can be closed
 over by jitted functions without retracing.
@@ -69,6 +70,16 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """Sizes of the DeepSeek sparse-attention indexer (GLM-5, `ftjax.models.dsa`): each query
+    attends only the `index_topk` cached keys its lightning indexer scores highest."""
+
+    index_n_heads: int  # Hi: indexer heads (one weight per head and query)
+    index_head_dim: int  # di: indexer query/key width; its first dr dims carry RoPE
+    index_topk: int  # k: keys kept per query
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """YaRN rotary scaling, the parameters transformers' `_compute_yarn_parameters` reads:
     frequencies interpolated by `factor` below the correction range [beta_slow, beta_fast]
@@ -123,6 +134,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # sigmoid_group: routed weights are multiplied by this
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
     mla: MLAConfig | None = None  # latent-attention sizes of mla layers
+    dsa: DSAConfig | None = None  # sparse-attention indexer sizes of mla_dsa layers
 
     # ---- derived sizes ------------------------------------------------------------
     @property
@@ -289,6 +301,7 @@ def validate(cfg: ModelConfig) -> ModelConfig:
             bad("qk_rope_head_dim", "must be even for RoPE", cfg.mla)
         if not (math.isfinite(cfg.mla.softmax_scale) and cfg.mla.softmax_scale >= 0):
             bad("softmax_scale", "must be finite and non-negative", cfg.mla)
+    check_dsa(cfg, bad, sizes)
     dn = cfg.deltanet
     if "gated_deltanet" in cfg.layer_kinds and dn is None:
         bad("deltanet", "(linear_* sizes) must be given when a layer is linear_attention")
@@ -298,6 +311,20 @@ def validate(cfg: ModelConfig) -> ModelConfig:
             raise ConfigError(f"config.json: linear_num_value_heads {dn.num_v_heads} is not a multiple of "
                               f"linear_num_key_heads {dn.num_k_heads}")
     return cfg
+
+
+def check_dsa(cfg: ModelConfig, bad, sizes) -> None:
+    """An mla_dsa layer needs the indexer sizes, a query down-projection (the indexer's
+    queries come from its latent) and room for the RoPE dims in the indexer head."""
+    if "mla_dsa" in cfg.layer_kinds and (cfg.dsa is None or cfg.mla is None):
+        bad("dsa", "(index_n_heads, index_head_dim, index_topk) must be given when a layer is sparse attention")
+    if cfg.dsa is None:
+        return
+    sizes(cfg.dsa, ("index_n_heads", "index_head_dim", "index_topk"), "sparse attention ")
+    if cfg.mla is not None and cfg.mla.q_lora_rank is None:
+        bad("q_lora_rank", "must be given for sparse attention (the indexer reads the query latent)", cfg.mla)
+    if cfg.mla is not None and cfg.dsa.index_head_dim < cfg.mla.qk_rope_head_dim:
+        bad("index_head_dim", f"must be at least qk_rope_head_dim ({cfg.mla.qk_rope_head_dim})", cfg.dsa)
 
 
 ROUTERS = ("softmax", "sigmoid_group")

@@ -46,13 +46,13 @@ Design
   ffn_gate_inp_shexp its gate; ffn_{gate,up,down} (dense layers) are read although
   llama.cpp's MoE archs do not load them.
 - Experts (ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F], or the fused
-  ffn_gate_up_exps [E, 2F, D]) go into the `HostExpertPool` as stored: Q8_0 / Q4_0
-  bytes are copied into a pool of that block format (no float expansion: ftjax's q8_0 /
-  q4_0 *are* GGUF's blocks), BF16 into a bfloat16 pool, F32 / F16 into a float32 pool.
-  Every expert tensor must have one type; a mix (llama.cpp's Q4_K_M mixes) or another
-  type (Q4_K, Q6_K, ...) is a CheckpointError naming the tensor, its type and the
-  llama-quantize command that makes a usable file. `expert_dtype=` must name the
-  stored format, if given.
+  ffn_gate_up_exps [E, 2F, D]) go into the `HostExpertPool` as stored: Q8_0 / Q4_0 /
+  Q4_K bytes are copied into a pool of that block format (no float expansion: ftjax's
+  q8_0 / q4_0 / q4_k *are* GGUF's blocks), BF16 into a bfloat16 pool, F32 / F16 into a
+  float32 pool. Every expert tensor must have one type; a mix (llama.cpp's Q4_K_M puts
+  Q6_K in some ffn_down_exps) or another type (Q6_K, Q5_K, ...) is a CheckpointError
+  naming the tensor, its type and the llama-quantize command that makes a usable file.
+  `expert_dtype=` must name the stored format, if given.
 - Dense tensors (embedding, attention, norms, router, shared expert, LM head) of any
   type `gguf.quants.dequantize` knows become float32 params ([in, out] where the folder
   loader transposes); when every dense matrix is BF16 and dense_dtype allows (default
@@ -89,7 +89,7 @@ from ftjax.checkpoint import Checkpoint, CheckpointError, classify, expected_par
     load_checkpoint, model_config
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import BLOCK_FORMATS, QUANTISED_ALIASES, canonical_dtype
+from ftjax.experts.storage import BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES, canonical_dtype
 
 # llama.cpp architecture -> ftjax model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -113,7 +113,8 @@ EXPERT_PARTS: dict[T, str] = {T.FFN_GATE_EXP: "gate", T.FFN_UP_EXP: "up", T.FFN_
 DENSE_MLP = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)  # mlp_only layers: not in llama.cpp's MoE arch lists
 
 # GGUF expert type -> pool format (experts are kept as stored)
-EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
+EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "BF16": "bfloat16", "F32": "float32",
+                  "F16": "float32"}
 WRITE_DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
 # tokenizer.ggml.pre -> the Split regex before ByteLevel (None: ByteLevel's own GPT-2 regex)
@@ -299,12 +300,12 @@ def expert_storage(t, pool_dtype: str) -> np.ndarray:
 
 def expert_format(path: Path, expert_tensors: list) -> str:
     """The one pool format of every expert tensor, or a CheckpointError saying how to get it."""
-    fix = ("re-quantise with `llama-quantize --pure IN.gguf OUT.gguf Q8_0` (or Q4_0), which gives every "
+    fix = ("re-quantise with `llama-quantize --pure IN.gguf OUT.gguf Q4_K` (or Q8_0, Q4_0), which gives every "
            "tensor one type")
     for t in expert_tensors:
         if t.tensor_type.name not in EXPERT_FORMATS:
             raise CheckpointError(f"{path}: {t.name} is {t.tensor_type.name}: ftjax keeps GGUF experts as stored, "
-                                  f"as Q8_0, Q4_0, BF16, F16 or F32; {fix}")
+                                  f"as {', '.join(EXPERT_FORMATS)}; {fix}")
     formats: dict[str, Any] = {}  # pool format -> the first tensor of it
     for t in expert_tensors:
         formats.setdefault(EXPERT_FORMATS[t.tensor_type.name], t)
@@ -319,7 +320,8 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     """Read and check a GGUF checkpoint (see the module docstring).
 
     expert_dtype: None, or the format the experts are stored in ("int8" / "q8_0" for Q8_0,
-    "int4" / "q4_0", "bfloat16", "float32" for F32 / F16): GGUF experts are never converted.
+    "int4" / "q4_0", "q4_k", "bfloat16", "float32" for F32 / F16): GGUF experts are never
+    converted.
     dense_dtype: None / "bfloat16" (keep BF16 matrices as bf16 bits) or "float32"."""
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
@@ -532,9 +534,14 @@ def gguf_name(hf: str) -> str:
 
 
 def add_tensor(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype: str) -> None:
-    """float32 [..., n] (numpy order, HF layout) -> tensor `name` of type qtype (gguf's quantiser)."""
+    """float32 [..., n] (numpy order, HF layout) -> tensor `name` of type qtype: a block type
+    quantised by its pool format's quantiser (gguf's for Q8_0 / Q4_0; Q4_K, which the gguf
+    package cannot quantise, by `storage.quantise_q4_k`), any other type by gguf's."""
     q = QType[qtype]
-    w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), q), raw_dtype=q)
+    a = np.ascontiguousarray(a, np.float32)
+    fmt = EXPERT_FORMATS.get(qtype)
+    data = FORMATS[fmt].from_f32_numpy(a) if fmt in BLOCK_FORMATS else gguf.quants.quantize(a, q)
+    w.add_tensor(name, data, raw_dtype=q)
 
 
 def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_0",
@@ -542,11 +549,11 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_
     """Write an HF checkpoint folder of a supported family as a GGUF with llama.cpp's
     metadata keys and tensor names, and its tokenizer when the folder has tokenizer.json.
 
-    expert_type: Q8_0 | Q4_0 | BF16 | F16 | F32 (gguf's quantiser, so Q8_0 / Q4_0 equal
-    ftjax's int8 / int4 pools of the same weights byte for byte); dense_type: the type of
-    the dense matrices (F32 | F16 | BF16 | Q8_0; default BF16 for a bf16 folder, else F32);
-    1-D tensors (norms, biases) are always F32, as llama.cpp writes them. The whole model
-    is held in memory while writing (meant for tests and benchmarks)."""
+    expert_type: Q8_0 | Q4_0 | Q4_K | BF16 | F16 | F32 (the pool formats' quantisers, so the
+    block types equal ftjax's int8 / int4 / q4_k pools of the same weights byte for byte);
+    dense_type: the type of the dense matrices (F32 | F16 | BF16 | Q8_0; default BF16 for a
+    bf16 folder, else F32); 1-D tensors (norms, biases) are always F32, as llama.cpp writes
+    them. The whole model is held in memory while writing (meant for tests and benchmarks)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     expert_type = expert_type.upper()
     if expert_type not in EXPERT_FORMATS:
@@ -590,6 +597,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_
 def write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: str, name: str, expert_type: str) -> None:
     """The hyperparameters under llama.cpp's keys (the inverse of `hf_config`)."""
     file_types = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                  "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
                   "BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16,
                   "F32": gguf.LlamaFileType.ALL_F32}
     w.add_name(name)

@@ -34,6 +34,7 @@ import enum
 import functools
 import os
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ from ftjax.experts.storage import FORMATS, act_q8_numpy, as_f32, bf16_bits_to_f3
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
-                     "q8_0": _hk.DTYPE_Q8_0, "q4_0": _hk.DTYPE_Q4_0}
+                     "q8_0": _hk.DTYPE_Q8_0, "q4_0": _hk.DTYPE_Q4_0, "q4_k": _hk.DTYPE_Q4_K}
 
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
@@ -219,6 +220,15 @@ class HostExecutor:
         self.pool = pool
         self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
         self._threads = shared_threads(threads or default_threads())
+        # {calls, nanoseconds in the kernel, distinct experts read}: the handler adds to it
+        # at the end of every call (the callback path likewise); `work_done` reads it.
+        self._work = np.zeros(3, np.int64)
+
+    def work_done(self) -> tuple[int, float, int]:
+        """(calls, seconds, experts) of host expert work since this executor was made: what
+        online calibration (`ftjax.experts.calibration`) turns into a live B_H."""
+        calls, ns, experts = (int(v) for v in self._work)
+        return calls, ns * 1e-9, experts
 
     @property
     def num_threads(self) -> int:
@@ -254,7 +264,8 @@ class HostExecutor:
             num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
             d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
             dtype=np.int32(WEIGHT_TYPE_CODES[p.dtype]),
-            pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value))
+            pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value),
+            stats_ptr=np.int64(self._work.ctypes.data))
 
     def _ffi_call(self, x, layer, ids, weights):
         _register_ffi_targets()
@@ -266,21 +277,44 @@ class HostExecutor:
         return jax.pure_callback(self._callback_host, out, x, layer, ids, weights)
 
     def _callback_host(self, x, layer, ids, weights) -> np.ndarray:
-        return self.expert_ffn_numpy(np.asarray(x), int(np.asarray(layer)), np.asarray(ids),
-                                     np.asarray(weights))
+        start = time.perf_counter_ns()
+        ids = np.asarray(ids)
+        y = self.expert_ffn_numpy(np.asarray(x), int(np.asarray(layer)), ids, np.asarray(weights))
+        self._work += (1, time.perf_counter_ns() - start, np.unique(ids[ids >= 0]).size)
+        return y
 
 
-def pool_view(pool: HostExpertPool) -> dict[str, jax.Array]:
-    """The pool as arrays the device program can read rows from (to fill cache slots).
+def memory_kinds() -> set[str]:
+    """The memory kinds the default device can address ('device', 'pinned_host',
+    'unpinned_host' on the CPU and GPU backends)."""
+    return {m.kind for m in jax.devices()[0].addressable_memories()}
 
-    CPU backend: a zero-copy alias of the aligned host memory. Other backends: the
-    arrays stay in host memory (`pinned_host` memory kind) so the device never holds the
-    whole pool; rows are copied into cache slots on demand. (Not yet run on a GPU.)
+
+def sharding(memory_kind: str = "device") -> jax.sharding.Sharding:
+    """The default device, in `memory_kind` where the backend has memory kinds."""
+    kind = memory_kind if memory_kind in memory_kinds() else None
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+def pool_view(pool: HostExpertPool, memory_kind: str = "pinned_host") -> dict[str, jax.Array]:
+    """The pool as arrays the jitted steps can read rows from (to fill cache slots).
+
+    memory_kind: "pinned_host" (the runtime's placement: the steps move the rows they
+    fetch into device memory explicitly, `executor.to_device`) or "device" (the `device`
+    reference policy: every expert on the device). On the CPU backend both are zero-copy
+    aliases of the pool's aligned RAM. On an accelerator "device" is a full device copy,
+    and "pinned_host" a pinned copy of the pool (not yet run on a GPU).
+    A backend without memory kinds gets its default memory.
     """
-    if jax.default_backend() == "cpu":
-        return jax.device_put(pool.parts)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    return jax.device_put(pool.parts, host)
+    return jax.device_put(pool.parts, sharding(memory_kind))
+
+
+def memory_kind_of(tree) -> str | None:
+    """The memory kind of a pytree's arrays (None: empty tree); mixed kinds are an error."""
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)}
+    if len(kinds) > 1:
+        raise ValueError(f"mixed memory kinds {sorted(kinds)}")
+    return kinds.pop() if kinds else None
 
 
 def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 20,

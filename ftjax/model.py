@@ -32,9 +32,10 @@ from ftjax.engine.session import GenerationStats, Session, Snapshot, bucket, gen
 from ftjax.engine.steps import Steps
 from ftjax.engine.streamed import StreamedPrefill, stream_threshold
 from ftjax.engine.telemetry import DEFAULT_KEEP_RECORDS, Telemetry
+from ftjax.experts.calibration import Calibration
 from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
 from ftjax.experts.policy import get_policy, transfer_ratio
-from ftjax.host import default_threads, pool_view
+from ftjax.host import default_threads, memory_kind_of, pool_view, sharding
 from ftjax.models.common import CausalLM, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -62,6 +63,8 @@ class Model:
     kv_dtype: Any = jnp.float32  # storage of cached activations (attention K/V)
     last_generation: GenerationStats | None = None
     memory: Any = field(default=None, repr=False)  # engine.memory.DeviceMemory (elastic budget) or None
+    calibration: Calibration | None = field(default=None, repr=False)  # live B_P / B_H (adaptive split)
+    _host: Any = field(default=None, repr=False)  # the HostExecutor of the routed experts (None: device)
 
     def __repr__(self) -> str:
         c = self.config
@@ -109,8 +112,9 @@ class Model:
 
     # ---- sessions ------------------------------------------------------------------------------
     def new_state(self, batch: int, capacity: int):
-        """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers)."""
-        return init_state(self.config, batch, capacity, self.kv_dtype)
+        """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers),
+        committed to device memory like the states the steps return (one compile each)."""
+        return jax.device_put(init_state(self.config, batch, capacity, self.kv_dtype), sharding("device"))
 
     def session(self, snapshot: Snapshot | None = None) -> Session:
         """A new conversation: empty, or resumed exactly where `snapshot` was taken."""
@@ -200,7 +204,35 @@ class Model:
             "prefill_s": t.prefill_s, "decode_s": t.decode_s,
             "prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
             "steps": self._telemetry.step, "log_steps_dropped": self._telemetry.dropped,
+            "placement": self.placement(),
+            **({"bandwidth": {**self.calibration.stats(), "q_table": self.calibration.current.tolist()}}
+               if self.calibration else {}),
         }
+
+    def calibrate(self) -> None:
+        """Fold the host expert work done since the last call into the live bandwidth
+        estimates (`ftjax.experts.calibration`) and, when the q table of the new r differs
+        from the executor's, swap it in (data: nothing recompiles). The decode and prefill
+        loops call this after every step; cheap (three integers read, no device sync)."""
+        cal = self.calibration
+        if cal is None or not cal.poll(self._host.work_done()):
+            return
+        ex = self._steps.executor
+        table = cal.table(ex.policy, ex.num_experts)
+        if not np.array_equal(table, cal.current):
+            cal.current = table
+            self._xstate = {**self._xstate, "q_of_misses": jax.device_put(table, sharding("device"))}
+
+    def placement(self) -> dict[str, str | None]:
+        """Where each part of the model lives, read off the arrays themselves (memory
+        kinds): the expert pool ("pinned_host"; "device" under the `device` reference
+        policy), the expert cache (None without one), the per-session state, and the
+        dense weights. E.g. {"expert_pool": "pinned_host", "expert_cache": "device",
+        "state": "device", "dense": "device"}."""
+        return {"expert_pool": memory_kind_of(self._pool_dev),
+                "expert_cache": memory_kind_of(self._xstate.get("cache", {})),
+                "state": memory_kind_of(self.new_state(1, 1)),
+                "dense": memory_kind_of(self._params)}
 
     def reset_stats(self) -> None:
         self._telemetry.reset()
@@ -208,16 +240,21 @@ class Model:
     def clear_expert_cache(self) -> None:
         """Back to the policy's initial placement: every slot emptied (pinned policies
         re-pinned), every stamp forgotten."""
+        q = self._xstate.get("q_of_misses")
         self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)
+        if q is not None:  # the calibrated split stays
+            self._xstate["q_of_misses"] = q
         if self.memory is not None:
             self.memory.sync()
             self.memory.rebalance()  # keep the slots the budget has taken back disabled
 
 
 def _initial_xstate(executor, pool) -> dict:
+    """Committed to device memory, as the steps return it: the first step after load then
+    compiles the same program as every later one."""
     state = executor.init_state(pool.parts)
     state.pop("codes")
-    return state
+    return jax.device_put(state, sharding("device"))
 
 
 def _param_state(graphdef_state, params: dict[str, np.ndarray]):
@@ -231,7 +268,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          max_seq_len: int | None = None, expert_dtype: str | None = None, dense_dtype: str | None = None,
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
-         prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None) -> Model:
+         prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None,
+         calibrate: bool = True) -> Model:
     """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
     its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
@@ -251,7 +289,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     (bf16 halves the bytes a long-context decode step reads); device_memory_bytes: one
     budget for weights, states, prefill scratch and the expert cache, which shrinks as
     states grow and grows back as they shrink (`ftjax.engine.memory`; "auto": the
-    accelerator's memory; None: no budget).
+    accelerator's memory; None: no budget); calibrate: under the bandwidth-adaptive split
+    (`lru`), re-estimate B_H from the host work the model does and move q with it
+    (`Model.calibrate`, `ftjax.experts.calibration`); False keeps the profile's q.
     """
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if kv_dtype not in kv_dtypes:
@@ -287,13 +327,17 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
             bandwidth = get_or_measure(pool.dtype, cfg.d_model, cfg.d_ff_expert, threads=threads, top_k=cfg.top_k)
         ratio = transfer_ratio(*bandwidth)
 
-    host_fn = None
+    host_fn = host = calibration = None
     if pol.name != "device":
         from ftjax.host import HostExecutor
         host = HostExecutor(pool, threads=threads)
         host_fn = host.expert_ffn
+        if pol.split == "adaptive" and calibrate:
+            calibration = Calibration(bandwidth, pool.expert_bytes)
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype)
+    if calibration is not None:
+        calibration.current = executor.q_of_misses
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
@@ -310,11 +354,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     model = Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                   bandwidth=bandwidth, _graphdef=graphdef, _params=params,
-                  _pool_dev=pool_view(pool),
+                  _pool_dev=pool_view(pool, "device" if pol.name == "device" else "pinned_host"),
                   _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
                   _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
                   stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
-                  kv_dtype=kv_dtypes[kv_dtype])
+                  kv_dtype=kv_dtypes[kv_dtype], calibration=calibration, _host=host)
     if device_memory_bytes is not None:
         from ftjax.engine.memory import DeviceMemory, device_budget
 

@@ -180,8 +180,9 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
            std::to_string(pool.num_layers) + ")";
   const Kernels* kernels = select_kernels(isa);
   if (kernels == nullptr) return "requested ISA is not available on this CPU";
-  if (is_block_type(pool.wtype) && (pool.d_model % kQuantBlock || pool.d_ff % kQuantBlock))
-    return "block-quantised experts need d_model and d_ff divisible by 32";
+  const int64_t block_len = block_weights(pool.wtype);
+  if (pool.d_model % block_len || pool.d_ff % block_len)
+    return "block-quantised experts need d_model and d_ff divisible by " + std::to_string(block_len);
   Routing routing;
   std::string err = group_by_expert(batch, pool.num_experts, &routing);
   if (!err.empty()) return err;

@@ -1,11 +1,13 @@
 #include "ffi_handler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "attention.h"
 #include "expert_ffn.h"
@@ -35,12 +37,33 @@ ffi::Error guarded(const char* target, Body&& body) noexcept {
   }
 }
 
+// What the routed-expert handler did, for online bandwidth calibration: a caller-owned
+// int64[3] {calls, nanoseconds in the kernel, distinct experts read}, added to at the end
+// of each call (atomically; the step's host work is done by the time Python reads it).
+void record_host_work(int64_t stats_ptr, const int32_t* ids, int64_t n_ids, int64_t num_experts,
+                      std::chrono::steady_clock::time_point start) {
+  if (stats_ptr == 0) return;
+  int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now() - start).count();
+  std::vector<char> seen(static_cast<size_t>(num_experts), 0);
+  int64_t experts = 0;
+  for (int64_t i = 0; i < n_ids; ++i) {
+    int32_t e = ids[i];
+    if (e >= 0 && e < num_experts && !seen[e]) seen[e] = 1, ++experts;
+  }
+  auto* stats = reinterpret_cast<int64_t*>(stats_ptr);
+  __atomic_fetch_add(&stats[0], 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&stats[1], ns, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&stats[2], experts, __ATOMIC_RELAXED);
+}
+
 ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                            ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
                            int64_t down_ptr, int64_t num_layers, int64_t num_experts,
                            int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
-                           int32_t isa) {
+                           int32_t isa, int64_t stats_ptr) {
+  auto start = std::chrono::steady_clock::now();
   auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || xd[1] != d_model)
@@ -68,6 +91,7 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                       reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
                                       static_cast<Isa>(isa));
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + err);
+  record_host_work(stats_ptr, ids.typed_data(), idd[0] * idd[1], num_experts, start);
   return ffi::Error::Success();
 }
 
@@ -136,10 +160,10 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
                            int64_t down_ptr, int64_t num_layers, int64_t num_experts,
                            int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
-                           int32_t isa) noexcept {
+                           int32_t isa, int64_t stats_ptr) noexcept {
   return guarded("ftjax_expert_ffn", [&] {
     return expert_ffn_body(x, layer, ids, weights, y, gate_up_ptr, down_ptr, num_layers,
-                           num_experts, d_model, d_ff, dtype, pool_ptr, isa);
+                           num_experts, d_model, d_ff, dtype, pool_ptr, isa, stats_ptr);
   });
 }
 
@@ -219,7 +243,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
                                   .Attr<int64_t>("d_ff")
                                   .Attr<int32_t>("dtype")
                                   .Attr<int64_t>("pool_ptr")
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int64_t>("stats_ptr"));  // int64[3] or 0
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxWriteRows, write_rows_impl,
                               ffi::Ffi::Bind()

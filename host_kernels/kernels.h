@@ -9,15 +9,20 @@
 // SIMD tables (AVX2+FMA, AVX-512) are compiled with target attributes, so the
 // build needs no -march flag, and picked at run time from what the CPU supports.
 //
-// Weight types: f32, bf16 (raw uint16 bits) and two GGUF block formats in which 32
-// consecutive weights of a row share one f16 scale d (the bytes are exactly GGUF's, so
-// a Q8_0 / Q4_0 tensor of a .gguf file is read in place):
+// Weight types: f32, bf16 (raw uint16 bits) and three GGUF block formats (the bytes are
+// exactly GGUF's, so a Q8_0 / Q4_0 / Q4_K tensor of a .gguf file is read in place). In
+// Q8_0 / Q4_0, 32 consecutive weights of a row share one f16 scale d:
 //   Q8_0  {d, 32 x int8 q}          w[i] = d * q[i]                 34 bytes / 32
 //   Q4_0  {d, 16 bytes of nibbles}  w[i] = d * (nibble(i) - 8);      18 bytes / 32
 //         element i < 16 is the low nibble of byte i, element i >= 16 the high
 //         nibble of byte i - 16
-// Block rows need n % 32 == 0. The SIMD kernels dequantise in registers (the f32
-// products are the same as for bf16), so a quantised row costs fewer bytes to stream.
+// Q4_K super-blocks hold 256 weights as 8 sub-blocks of 32, each with a 6-bit scale
+// sc_j and a 6-bit min m_j, themselves scaled by two f16 values d and dmin:
+//   Q4_K  {d, dmin, 12 bytes of packed sc_j / m_j, 128 bytes of nibbles}   144 bytes / 256
+//         w = d * sc_j * nibble - dmin * m_j; sub-block 2c is the low nibbles of bytes
+//         32c..32c+31, sub-block 2c+1 their high nibbles (q4_k_scale_min unpacks sc, m)
+// Block rows need n % block_weights(type) == 0 (32, or 256 for Q4_K). The block kernels
+// multiply integers (kernels_quant.cc), so a quantised row costs fewer bytes to stream.
 #pragma once
 
 #include <cstdint>
@@ -25,18 +30,52 @@
 
 namespace ftjax {
 
-enum class WeightType : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3 };  // bf16 = raw uint16 bits
+enum class WeightType : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_K = 4 };  // bf16 = raw uint16 bits
 
-constexpr int64_t kQuantBlock = 32;  // weights per block of the block formats
+constexpr int64_t kQuantBlock = 32;  // weights per Q8_0 / Q4_0 block, per Q4_K sub-block, per ActQ8 block
 struct BlockQ8_0 {
+  static constexpr int64_t kWeights = kQuantBlock;
   uint16_t d;  // f16 scale
   int8_t qs[kQuantBlock];
 };
 struct BlockQ4_0 {
+  static constexpr int64_t kWeights = kQuantBlock;
   uint16_t d;  // f16 scale
   uint8_t qs[kQuantBlock / 2];
 };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18, "GGUF block sizes");
+struct BlockQ4_K {
+  static constexpr int64_t kWeights = 256;
+  static constexpr int kSubBlocks = kWeights / kQuantBlock;  // 8
+  uint16_t d;           // f16 scale of the sub-block scales
+  uint16_t dmin;        // f16 scale of the sub-block mins
+  uint8_t scales[12];   // 8 x 6-bit scale, 8 x 6-bit min (q4_k_scale_min)
+  uint8_t qs[kWeights / 2];
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_K) == 144, "GGUF block sizes");
+
+// Scale and min of sub-block j of a Q4_K super-block (GGUF's get_scale_min_k4).
+inline void q4_k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// All 16 at once with 32-bit word operations (llama.cpp's utmp trick; the words are
+// little-endian): out[0..7] = sc_0..7, out[8..15] = m_0..7.
+inline void q4_k_unpack_scales(const uint8_t* s, uint8_t* out) {
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  uint32_t w[3], u[4];
+  std::memcpy(w, s, 12);
+  u[0] = w[0] & k6;                                    // sc_0..3
+  u[1] = (w[2] & k4) | (((w[0] >> 6) & k2) << 4);      // sc_4..7
+  u[2] = w[1] & k6;                                    // m_0..3
+  u[3] = ((w[2] >> 4) & k4) | (((w[1] >> 6) & k2) << 4);  // m_4..7
+  std::memcpy(out, u, 16);
+}
 
 // IEEE half -> float, exact (normals, subnormals, inf, NaN); portable.
 inline float half_to_float(uint16_t h) {
@@ -69,13 +108,17 @@ inline float weight_at(const uint16_t* row, int64_t i) {
 // Activations meeting block-format weights are quantised the same way, per 32: an f32
 // scale d = max|x| / 127 and q = round-to-even(x * (1 / d)) (d = 0: q = 0), so a
 // block's dot product is d_w * d_x * (integer sum of 32 products), exact in int32.
+// The block also carries s = d * sum(q), the sum of its dequantised values, which is
+// all a Q4_K min (a constant per sub-block) needs: its term is dmin * m_j * s.
 // numpy and XLA twins: ftjax.experts.storage.quantise_activations.
 struct ActQ8 {
   float d;
+  float s;  // d * sum_i qs[i]
   int8_t qs[kQuantBlock];
 };
-static_assert(sizeof(ActQ8) == 36, "ActQ8 layout");
-// x [n] -> n / 32 blocks (n % 32 == 0).
+static_assert(sizeof(ActQ8) == 40, "ActQ8 layout");
+// x [n] -> n / 32 blocks (n % 32 == 0); 1.25 bytes per value, so a buffer of n floats
+// holds them.
 void quantise_act_q8(const float* x, int64_t n, ActQ8* out);
 enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
@@ -121,6 +164,7 @@ struct Kernels {
   DotTable bf16;
   DotTable q8_0;
   DotTable q4_0;
+  DotTable q4_k;
   SumFn sum;
   int64_t bf16_block;  // activation layout of the bf16 table, see even_odd_pos
   const DotTable& dots(WeightType w) const {
@@ -128,6 +172,7 @@ struct Kernels {
       case WeightType::kBF16: return bf16;
       case WeightType::kQ8_0: return q8_0;
       case WeightType::kQ4_0: return q4_0;
+      case WeightType::kQ4_K: return q4_k;
       default: return f32;
     }
   }
@@ -135,7 +180,8 @@ struct Kernels {
 };
 
 const Kernels& scalar_kernels();
-// The block-format tables (kernels_quant.cc): integer block dots, scalar and AVX2.
+// The block-format tables (kernels_quant.cc): integer block dots, scalar and AVX2. Every
+// Kernels table takes its Q8_0 / Q4_0 / Q4_K entries from one of these.
 DotTable block_table_scalar(WeightType w);
 DotTable block_table_avx2(WeightType w);
 const Kernels* avx2_kernels();    // nullptr when not built for this architecture
@@ -146,15 +192,28 @@ bool cpu_has_avx512();
 // kAuto -> the widest ISA the CPU has; nullptr if a forced ISA is missing.
 const Kernels* select_kernels(Isa isa);
 
-inline bool is_block_type(WeightType w) { return w == WeightType::kQ8_0 || w == WeightType::kQ4_0; }
-inline bool is_weight_type(int32_t code) { return code >= 0 && code <= 3; }
+inline bool is_block_type(WeightType w) {
+  return w == WeightType::kQ8_0 || w == WeightType::kQ4_0 || w == WeightType::kQ4_K;
+}
+inline bool is_weight_type(int32_t code) { return code >= 0 && code <= 4; }
 
-// Bytes of one row of n weights (block types: n % kQuantBlock == 0).
+// Weights per block (1 for the plain types): a row's length must be a multiple of it.
+inline int64_t block_weights(WeightType w) {
+  switch (w) {
+    case WeightType::kQ8_0: return BlockQ8_0::kWeights;
+    case WeightType::kQ4_0: return BlockQ4_0::kWeights;
+    case WeightType::kQ4_K: return BlockQ4_K::kWeights;
+    default: return 1;
+  }
+}
+
+// Bytes of one row of n weights (block types: n % block_weights(w) == 0).
 inline int64_t row_bytes(WeightType w, int64_t n) {
   switch (w) {
     case WeightType::kBF16: return 2 * n;
-    case WeightType::kQ8_0: return n / kQuantBlock * int64_t(sizeof(BlockQ8_0));
-    case WeightType::kQ4_0: return n / kQuantBlock * int64_t(sizeof(BlockQ4_0));
+    case WeightType::kQ8_0: return n / BlockQ8_0::kWeights * int64_t(sizeof(BlockQ8_0));
+    case WeightType::kQ4_0: return n / BlockQ4_0::kWeights * int64_t(sizeof(BlockQ4_0));
+    case WeightType::kQ4_K: return n / BlockQ4_K::kWeights * int64_t(sizeof(BlockQ4_K));
     default: return 4 * n;
   }
 }

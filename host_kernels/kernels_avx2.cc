@@ -174,7 +174,8 @@ FTJAX_AVX2 float sum_avx2(const float* data, int64_t n) {
 
 const Kernels* avx2_kernels() {
   static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_avx2(WeightType::kQ8_0),
-                         block_table_avx2(WeightType::kQ4_0), &sum_avx2, 16};
+                         block_table_avx2(WeightType::kQ4_0),
+                         block_table_avx2(WeightType::kQ4_K), &sum_avx2, 16};
   return &k;
 }
 

@@ -38,13 +38,13 @@ WeightType weight_type_of(const Array& a) {
 
 // Weights per row of `bytes` bytes of a block type (throws unless whole blocks).
 int64_t block_row_len(WeightType w, int64_t bytes) {
-  const int64_t block = row_bytes(w, kQuantBlock);
+  const int64_t block = row_bytes(w, block_weights(w));
   if (bytes % block) throw std::invalid_argument("row of " + std::to_string(bytes) + " bytes is not whole blocks");
-  return bytes / block * kQuantBlock;
+  return bytes / block * block_weights(w);
 }
 
 // gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView. Block types
-// (wtype Q8_0 / Q4_0) come as uint8 rows of blocks: gate_up [Lm, E, 2F, bytes(D)].
+// (wtype Q8_0 / Q4_0 / Q4_K) come as uint8 rows of blocks: gate_up [Lm, E, 2F, bytes(D)].
 PoolView pool_view(const Pool4& gate_up, const Pool4& down, int wtype_code) {
   WeightType wtype;
   int64_t D = gate_up.shape(3), F = down.shape(3);
@@ -192,4 +192,5 @@ NB_MODULE(_host_kernels, m) {
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;
   m.attr("DTYPE_Q4_0") = (int)WeightType::kQ4_0;
+  m.attr("DTYPE_Q4_K") = (int)WeightType::kQ4_K;
 }

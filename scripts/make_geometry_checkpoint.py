@@ -21,9 +21,14 @@ biases, E 128 x F 1408, K 8, one shared expert, sigmoid routing with a correctio
 dense layer F 10944, V 151552). `--family deepseek_v3`: DeepSeek-V3 (D 7168, 128 heads of
 MLA: q rank 1536, latent 512, dn 128 / dr 64 / dv 128, interleaved RoPE, YaRN x40; E 256 x
 F 2048 in 8 groups (4 kept), K 8, one shared expert, scaling 2.5, dense layer F 18432,
-V 129280; one MoE layer is 22.5 GB of bf16 experts). Both: layer 0 dense
-(`first_k_dense_replace` 1, the real models have 1 and 3), the rest MoE, the routers'
-e_score_correction_bias in float32 as released, no MTP layer.
+V 129280; one MoE layer is 22.5 GB of bf16 experts). `--family glm_moe_dsa`: GLM-5 (D 6144,
+64 heads of MLA: q rank 2048, latent 512, dn 192 / dr 64 / dv 256, interleaved RoPE,
+theta 1e6, no YaRN; the DeepSeek sparse-attention indexer: 32 heads x 128, LayerNorm'd
+key, top 2048 keys; E 256 x F 2048 in one group, K 8, one shared expert, scaling 2.5,
+dense layer F 12288, V 154880; one MoE layer is 19.3 GB of bf16 experts): the shapes of
+transformers' GlmMoeDsaConfig defaults, which are GLM-5's config.json. All three: layer 0
+dense (`first_k_dense_replace` 1, the real models have 1, 3 and 3), the rest MoE, the
+routers' e_score_correction_bias in float32 as released, no MTP layer.
 
 The Qwen3-30B-A3B checkpoint:
 
@@ -64,6 +69,9 @@ Q35 = dict(E=256, F=512, SHARED=512, H=16, G=2, HD=256, V=248320, HK=16, HV=32, 
 # GLM-4.5-Air (glm4_moe) and DeepSeek-V3 (deepseek_v3): the shapes of the released configs
 GLM = dict(D=4096, H=96, G=8, HD=128, FD=10944, F=1408, E=128, V=151552)
 DSV3 = dict(D=7168, H=128, QR=1536, R=512, DN=128, DR=64, DV=128, FD=18432, F=2048, E=256, V=129280)
+# GLM-5 (glm_moe_dsa): MLA as DeepSeek-V3 with other sizes, plus the sparse-attention indexer (HI heads x DI, TOPK)
+GLM5 = dict(D=6144, H=64, QR=2048, R=512, DN=192, DR=64, DV=256, FD=12288, F=2048, E=256, V=154880, HI=32, DI=128,
+            TOPK=2048)
 
 
 def hf_config_glm(num_layers: int) -> dict:
@@ -96,6 +104,23 @@ def hf_config_dsv3(num_layers: int) -> dict:
         "vocab_size": c["V"], "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0,
         "eos_token_id": 1, "dtype": "bfloat16",
+    }
+
+
+def hf_config_glm5(num_layers: int) -> dict:
+    c = GLM5
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": c["D"],
+        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": c["H"],
+        "q_lora_rank": c["QR"], "kv_lora_rank": c["R"], "qk_nope_head_dim": c["DN"], "qk_rope_head_dim": c["DR"],
+        "v_head_dim": c["DV"], "head_dim": c["DR"], "intermediate_size": c["FD"], "moe_intermediate_size": c["F"],
+        "n_routed_experts": c["E"], "num_experts_per_tok": K, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1,
+        "index_n_heads": c["HI"], "index_head_dim": c["DI"], "index_topk": c["TOPK"],
+        "indexer_types": ["full"] * num_layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "vocab_size": c["V"], "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0,
+        "eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820, "dtype": "bfloat16",
     }
 
 
@@ -233,15 +258,35 @@ def layer_tensors_glm(rng: Rng, i: int) -> dict[str, torch.Tensor]:
 
 def layer_tensors_dsv3(rng: Rng, i: int) -> dict[str, torch.Tensor]:
     c, p = DSV3, f"model.layers.{i}."
-    a, h, d = p + "self_attn.", c["H"], c["D"]
+    d = c["D"]
     t = {p + "input_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
-         p + "post_attention_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
-         a + "q_a_proj.weight": rng.bf16((c["QR"], d), 0.02), a + "q_a_layernorm.weight": rng.bf16((c["QR"],), 0.1, 1.0),
-         a + "q_b_proj.weight": rng.bf16((h * (c["DN"] + c["DR"]), c["QR"]), 0.02),
-         a + "kv_a_proj_with_mqa.weight": rng.bf16((c["R"] + c["DR"], d), 0.02),
-         a + "kv_a_layernorm.weight": rng.bf16((c["R"],), 0.1, 1.0),
-         a + "kv_b_proj.weight": rng.bf16((h * (c["DN"] + c["DV"]), c["R"]), 0.02),
-         a + "o_proj.weight": rng.bf16((d, h * c["DV"]), 0.02)}
+         p + "post_attention_layernorm.weight": rng.bf16((d,), 0.1, 1.0)}
+    t.update(mla_tensors(rng, p + "self_attn.", c))
+    t.update(mlp_tensors(rng, p, c, moe=i >= 1))
+    return t
+
+
+def mla_tensors(rng: Rng, a: str, c: dict) -> dict[str, torch.Tensor]:
+    """Multi-head latent attention's tensors (DeepSeek-V3 / GLM-5 names) under prefix `a`."""
+    h, d = c["H"], c["D"]
+    return {a + "q_a_proj.weight": rng.bf16((c["QR"], d), 0.02), a + "q_a_layernorm.weight": rng.bf16((c["QR"],), 0.1, 1.0),
+            a + "q_b_proj.weight": rng.bf16((h * (c["DN"] + c["DR"]), c["QR"]), 0.02),
+            a + "kv_a_proj_with_mqa.weight": rng.bf16((c["R"] + c["DR"], d), 0.02),
+            a + "kv_a_layernorm.weight": rng.bf16((c["R"],), 0.1, 1.0),
+            a + "kv_b_proj.weight": rng.bf16((h * (c["DN"] + c["DV"]), c["R"]), 0.02),
+            a + "o_proj.weight": rng.bf16((d, h * c["DV"]), 0.02)}
+
+
+def layer_tensors_glm5(rng: Rng, i: int) -> dict[str, torch.Tensor]:
+    c, p = GLM5, f"model.layers.{i}."
+    a, d = p + "self_attn.", c["D"]
+    t = {p + "input_layernorm.weight": rng.bf16((d,), 0.1, 1.0),
+         p + "post_attention_layernorm.weight": rng.bf16((d,), 0.1, 1.0)}
+    t.update(mla_tensors(rng, a, c))
+    x = a + "indexer."  # the lightning indexer: queries from the q latent, one LayerNorm'd key per token
+    t.update({x + "wq_b.weight": rng.bf16((c["HI"] * c["DI"], c["QR"]), 0.02), x + "wk.weight": rng.bf16((c["DI"], d), 0.02),
+              x + "k_norm.weight": rng.bf16((c["DI"],), 0.1, 1.0), x + "k_norm.bias": rng.bf16((c["DI"],), 0.02),
+              x + "weights_proj.weight": rng.bf16((c["HI"], d), 0.02)})
     t.update(mlp_tensors(rng, p, c, moe=i >= 1))
     return t
 
@@ -249,6 +294,7 @@ def layer_tensors_dsv3(rng: Rng, i: int) -> dict[str, torch.Tensor]:
 FAMILIES = {  # --family -> (config, layer tensors, vocab, D, final norm mean, eos)
     "glm4_moe": (hf_config_glm, layer_tensors_glm, GLM["V"], GLM["D"], 1.0, 151329),
     "deepseek_v3": (hf_config_dsv3, layer_tensors_dsv3, DSV3["V"], DSV3["D"], 1.0, 1),
+    "glm_moe_dsa": (hf_config_glm5, layer_tensors_glm5, GLM5["V"], GLM5["D"], 1.0, 154820),
 }
 
 

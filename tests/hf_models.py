@@ -40,6 +40,13 @@ FAMILY_CONFIGS = {
                         qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_group=4, topk_group=2,
                         num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=40, n_shared_experts=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5),
+    # DeepSeek sparse attention (GLM-5): MLA as above, plus an indexer of 8 heads x 12 (4 of them rotated)
+    # keeping the top 6 keys per query, so every prompt past 6 tokens drops keys
+    "glm_moe_dsa": dict(num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_group=4, topk_group=2,
+                        num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=40, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=8, index_head_dim=12,
+                        index_topk=6),
 }
 
 

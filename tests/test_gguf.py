@@ -1,8 +1,9 @@
 """GGUF checkpoints (`ftjax.gguf_checkpoint`): tiny HF checkpoints written with
 `write_gguf` load with `ftjax.load(path.gguf)` and equal the folder models (block-format
-experts byte for byte: both sides quantise with gguf's quantiser), the embedded default
-model's tokenizer and greedy tokens survive the round trip, and bad files fail with an
-error naming the file and the tensor."""
+experts byte for byte: both sides quantise with the same quantiser, gguf's for Q8_0 / Q4_0,
+ftjax's port of llama.cpp's for Q4_K), the embedded default model's tokenizer and greedy
+tokens survive the round trip, and bad files fail with an error naming the file and the
+tensor."""
 
 import gguf
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 import ftjax
 import hf_models
 from ftjax.checkpoint import CheckpointError
-from ftjax.gguf_checkpoint import write_gguf
+from ftjax.gguf_checkpoint import add_tensor, write_gguf
 from ftjax.model import DEFAULT_MODEL_DIR
 
 PROMPT = [int(t) for t in np.random.RandomState(0).randint(0, 96, size=12)]
@@ -21,16 +22,19 @@ BLOCK_SIZES = {
     "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64, head_dim=16, mlp_only_layers=[]),
     "olmoe": dict(hidden_size=64, intermediate_size=32),
 }
+# widths that are whole Q4_K super-blocks (256 weights)
+Q4_K_SIZES = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, head_dim=16, mlp_only_layers=[])
 
 
 def rel_err(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
-def rewrite(src, dst, *, arch=None, retype=None, drop=(), meta=None):
+def rewrite(src, dst, *, arch=None, retype=None, garble=None, drop=(), meta=None):
     """Copy a GGUF with the gguf package, changing the architecture name, the type of some
-    tensors (dequantised, then quantised to the new type), dropping tensors or metadata."""
-    retype, meta = retype or {}, meta or {}
+    tensors (dequantised, then quantised to the new type), dropping tensors or metadata.
+    garble: {name: type} gives tensors random bytes of a type nothing here quantises (Q6_K)."""
+    retype, garble, meta = retype or {}, garble or {}, meta or {}
     r = gguf.GGUFReader(src)
     old_arch = r.get_field("general.architecture").contents()
     w = gguf.GGUFWriter(dst, arch or old_arch)
@@ -46,9 +50,14 @@ def rewrite(src, dst, *, arch=None, retype=None, drop=(), meta=None):
         if t.name in drop:
             continue
         if t.name in retype:
-            q = gguf.GGMLQuantizationType[retype[t.name]]
             a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
-            w.add_tensor(t.name, gguf.quants.quantize(a.astype(np.float32), q), raw_dtype=q)
+            add_tensor(w, t.name, a, retype[t.name])
+        elif t.name in garble:
+            q = gguf.GGMLQuantizationType[garble[t.name]]
+            block, block_bytes = gguf.GGML_QUANT_SIZES[q]
+            shape = tuple(int(n) for n in reversed(t.shape))
+            raw = np.random.default_rng(0).integers(0, 256, (*shape[:-1], shape[-1] // block * block_bytes), np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=q)
         else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -80,6 +89,49 @@ def test_block_experts_equal_quantised_folder(family, expert_type, expert_dtype,
     assert np.array_equal(pool.gate_up, ref_pool.gate_up) and np.array_equal(pool.down, ref_pool.down)
     assert model.config == ref.config and model.tokenizer is None  # no tokenizer.json: none in the GGUF
     assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k(tmp_path_factory):
+    """(HF folder, its Q4_K-experts GGUF) of a tiny qwen3_moe whose widths are whole Q4_K
+    super-blocks (D = F = 256), written by `write_gguf` through the gguf package's writer."""
+    d = tmp_path_factory.mktemp("tiny_q4_k")
+    folder = hf_models.save(hf_models.build("qwen3_moe", seed=12, **Q4_K_SIZES), d / "hf")
+    return folder, write_gguf(folder, d / "tiny-q4_k.gguf", "Q4_K")
+
+
+def test_q4_k_experts_kept_as_stored(tiny_q4_k):
+    """Q4_K experts are copied as stored (no expansion): the pool holds the file's bytes, its
+    dequantised weights are gguf's dequantisation of those bytes, and the model gives the
+    logits of the folder model quantised to q4_k at load (the same dequantised weights and
+    the same activation quantisation)."""
+    folder, path = tiny_q4_k
+    model, ref = ftjax.load(path), ftjax.load(folder, expert_dtype="q4_k")
+    pool = model.checkpoint.pool
+    assert pool.dtype == ref.checkpoint.pool.dtype == "q4_k" and model.config == ref.config
+    F = model.config.d_ff_expert
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for m, bid in enumerate(model.config.moe_layer_ids):
+        gate, down = tensors[f"blk.{bid}.ffn_gate_exps.weight"], tensors[f"blk.{bid}.ffn_down_exps.weight"]
+        assert gate.tensor_type.name == down.tensor_type.name == "Q4_K"
+        assert np.array_equal(pool.gate_up[m, :, :F], gate.data) and np.array_equal(pool.down[m], down.data)
+        g, d = pool.dequantised(m, 3)
+        assert np.array_equal(g[:F], gguf.quants.dequantize(gate.data[3], gate.tensor_type))
+        assert np.array_equal(d, gguf.quants.dequantize(down.data[3], down.tensor_type))
+    assert np.array_equal(pool.gate_up, ref.checkpoint.pool.gate_up) and np.array_equal(pool.down, ref.checkpoint.pool.down)
+    assert pool.gate_up.nbytes == pool.gate_up.size  # uint8 blocks: 144 bytes per 256 weights
+    assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+    assert ftjax.load(path, expert_dtype="q4_k").checkpoint.pool.dtype == "q4_k"
+    with pytest.raises(CheckpointError, match=r"expert_dtype 'int4' does not match .*\(q4_k\)"):
+        ftjax.load(path, expert_dtype="int4")
+
+
+def test_q4_k_m_mix_names_q6_k(tiny_q4_k, tmp_path):
+    """llama.cpp's Q4_K_M puts Q6_K in some ffn_down_exps: not a pool format, so the error
+    names the tensor and its type (and how to make a one-type file)."""
+    bad = rewrite(tiny_q4_k[1], tmp_path / "bad.gguf", garble={"blk.1.ffn_down_exps.weight": "Q6_K"})
+    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_down_exps\.weight is Q6_K: .*llama-quantize --pure"):
+        ftjax.load(bad)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])

@@ -373,6 +373,7 @@ class Scheduler:
             counters, temperature, top_k, top_p)
         m._telemetry.record("decode", codes)
         ids = np.asarray(out)  # the one host sync per step
+        m.calibrate()
         timing = m._telemetry.timing
         timing.decode_s += time.perf_counter() - t0
         timing.decode_tokens += len(live)

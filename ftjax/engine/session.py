@@ -259,6 +259,7 @@ class Session:
                 m._params, self._state, m._xstate, m._pool_dev, jnp.asarray(tokens), start_rows, length,
                 all_logits=all_logits)
         m._telemetry.record("prefill", codes)
+        m.calibrate()
         self._fed += T
         self._next_logits = logits[:, T - 1] if all_logits else logits
         return logits
@@ -426,6 +427,7 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
             m._params, state, m._xstate, m._pool_dev, token, pos.copy(), active.copy(), keys,
             np.full((Bp,), counter, np.int32), temperature, top_k, top_p)
         tel.record("decode", codes)
+        m.calibrate()
         pos[:B] += active[:B]
         for b in np.flatnonzero(active[:B]):
             sessions[b]._fed += 1

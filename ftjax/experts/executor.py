@@ -21,6 +21,8 @@ through the step):
                               elastic memory manager took it back: never filled)
     stamp      [Lm*E] int32   last record that selected the expert (0 = never)
     t          [] int32       record counter
+    q_of_misses [E+1] int32   q for each miss count (data: online calibration replaces it
+                              between steps without recompiling; see `calibration.py`)
     codes      [Lm, E] int8   this step's outcome per expert: 0 unused, 1 hit,
                               2 fetched, 3 host, 4 streamed (the telemetry log; read lazily)
 The host pool itself enters as `pool` {"gate_up": [Lm, E, 2F, D], "down": [Lm, E, D, F]},
@@ -282,9 +284,16 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     return (slot_of, id_of_slot, stamp), outcome_codes(hit, fetched, host), fetched, target
 
 
+def to_device(tree):
+    """An explicit move into device memory: the pool lives in `pinned_host` memory, so the
+    rows a transfer takes from it cross here (a host-to-device copy of exactly those bytes
+    on an accelerator; nothing on the CPU backend, where both kinds are the same RAM)."""
+    return jax.device_put(tree, jax.memory.Space.Device)
+
+
 def copy_expert(cache, pool, layer, e, s):
     """cache slot s <- pool expert (layer, e), every part."""
-    return put_expert(cache, take_expert(pool, layer, e), s)
+    return put_expert(cache, to_device(take_expert(pool, layer, e)), s)
 
 
 def copy_in(cache, pool, layer, copies):
@@ -356,14 +365,16 @@ class Executor:
         if policy.name != "device" and host_fn is None:
             raise ValueError(f"policy {policy.name!r} needs the host expert kernel")
         self.host_fn = host_fn
-        self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1]
+        self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1] (the initial table)
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
 
     def max_fetch(self, assignments: int) -> int:
         """Static bound on the experts one record of `assignments` can fetch: the
-        largest q over its possible miss counts, at most the slots."""
+        largest q over its possible miss counts, at most the slots. The adaptive split's
+        table is data that calibration may move anywhere in 0..m, so its bound is m."""
         m = min(assignments, self.num_experts)
-        return int(min(self.slots, self.q_of_misses[: m + 1].max()))
+        bound = m if self.policy.split == "adaptive" else self.q_of_misses[: m + 1].max()
+        return int(min(self.slots, bound))
 
     # ---- state -------------------------------------------------------------------------
     def init_state(self, pool_parts: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -385,6 +396,7 @@ class Executor:
             cache={k: jnp.asarray(v) for k, v in cache.items()},
             slot_of=jnp.asarray(slot_of), id_of_slot=jnp.asarray(id_of_slot),
             stamp=jnp.zeros(Lm * E, jnp.int32), t=jnp.zeros((), jnp.int32),
+            q_of_misses=jnp.asarray(self.q_of_misses),
         )
         return state
 
@@ -401,7 +413,7 @@ class Executor:
                            fmt=self.fmt)
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
         if self.policy.name == "host":
-            y = self.host_fn(x, jnp.int32(layer), ids, weights)
+            y = self._host_part(x, layer, ids, weights)
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HOST, 0).astype(jnp.int8))}
         return self._cached(layer, x, ids, weights, sel, state, pool)
 
@@ -411,7 +423,7 @@ class Executor:
         E, S = self.num_experts, self.slots
         base = layer * E
         A = ids.size
-        table = jnp.asarray(self.q_of_misses)
+        table = state["q_of_misses"]
         t = state["t"] + 1
         book = (state["slot_of"], state["id_of_slot"], state["stamp"])
         if A <= _BATCH_ASSIGNMENTS:
@@ -428,9 +440,16 @@ class Executor:
         dev_rows = jnp.where(ids >= 0, slot, -1)
         host_ids = jnp.where((ids >= 0) & (slot < 0), ids, -1)
         y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.fmt)
-        y = y + self.host_fn(x, jnp.int32(layer), host_ids, weights).astype(y.dtype)
+        y = y + self._host_part(x, layer, host_ids, weights).astype(y.dtype)
         return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
                    "t": t, "codes": state["codes"].at[layer].set(codes)}
+
+    def _host_part(self, x, layer, ids, weights):
+        """The host kernel on the assignments with ids >= 0; a record with none crosses
+        nothing (the call sits in a cond: no host call, no sync, no copy of x)."""
+        def call(x):
+            return self.host_fn(x, jnp.int32(layer), ids, weights).astype(jnp.float32)
+        return jax.lax.cond(jnp.any(ids >= 0), call, lambda x: jnp.zeros(x.shape, jnp.float32), x)
 
     # ---- one streamed prefill record ---------------------------------------------------------
     def streamed(self, layer: int, x, ids, weights, valid, state, block):

@@ -10,7 +10,8 @@ F expert FFN dim.
 Every weight row is one contiguous dot product, so a kernel streams an expert
 front to back. Storage is float32, bfloat16 kept as its uint16 bit pattern (numpy has
 no bf16 arithmetic and XLA CPU would convert whole buffers), or a GGUF block format
-(q8_0 / q4_0: each row a run of 32-weight blocks, uint8 [..., bytes(row)]); formats
+(q8_0 / q4_0: each row a run of 32-weight blocks, q4_k: of 256-weight super-blocks; uint8
+[..., bytes(row)]); formats
 are described in `ftjax.experts.storage`. Arrays are 64-byte aligned, which lets `jax.device_put`
 alias them on the CPU backend and keeps SIMD loads on cache lines, and they are
 read-only once built: the FFI handler holds raw pointers into them.
@@ -26,7 +27,7 @@ from ftjax.experts.storage import (  # noqa: F401  (re-exported: older imports)
     FORMATS, QUANTISED_ALIASES, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, to_bf16_bits)
 
 ALIGNMENT = 64
-DTYPES = tuple(FORMATS)  # float32, bfloat16, q8_0, q4_0
+DTYPES = tuple(FORMATS)  # float32, bfloat16, q8_0, q4_0, q4_k
 
 
 def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:

@@ -16,16 +16,37 @@ Two things live here.
                                            scale d, w = d * int8 (load(expert_dtype="int8"))
        q4_0       uint8     18/32 = 0.56   GGUF Q4_0 blocks: w = d * (nibble - 8)
                                            (load(expert_dtype="int4"))
+       q4_k       uint8     144/256 = 0.56 GGUF Q4_K super-blocks: 8 sub-blocks of 32,
+                                           w = d * sc_j * nibble - dmin * m_j
+                                           (load(expert_dtype="q4_k"))
 
    The block formats keep GGUF's bytes exactly: a matrix [rows, n] is stored as uint8
-   [rows, n/32 * block_bytes], each row a run of blocks, so quantising at load and
-   reading a .gguf file's Q8_0 / Q4_0 tensors give the same pool, and the host kernels
-   (host_kernels/kernels.h) read either in place. Group size 32 with f16 scales is
-   GGUF's choice: an f16 scale costs what a bf16 one does and keeps 3 more mantissa bits.
-   Quantisation itself is the `gguf` package's (the reference quantiser llama.cpp's
-   Python tools use), so a pool quantised here is bit-identical to llama.cpp's Q8_0 /
-   Q4_0 of the same weights. A block format's storage dtype (uint8) does not name it:
-   the pool carries its format name, and code that decodes weights is given the format.
+   [rows, n/block * block_bytes], each row a run of blocks, so quantising at load and
+   reading a .gguf file's Q8_0 / Q4_0 / Q4_K tensors give the same pool, and the host
+   kernels (host_kernels/kernels.h) read any of them in place. Group size 32 with f16
+   scales is GGUF's choice: an f16 scale costs what a bf16 one does and keeps 3 more
+   mantissa bits. Q8_0 / Q4_0 quantisation is the `gguf` package's (the reference
+   quantiser llama.cpp's Python tools use), so such a pool is bit-identical to
+   llama.cpp's Q8_0 / Q4_0 of the same weights. The gguf package only dequantises Q4_K,
+   so `quantise_q4_k` here is llama.cpp's reference quantiser (quantize_row_q4_K_ref)
+   in vectorised numpy; `dequantise` stays the gguf package's. A block format's storage
+   dtype (uint8) does not name it: the pool carries its format name, and code that
+   decodes weights is given the format.
+
+   Q4_K, the byte layout of one 144-byte super-block of 256 weights (GGUF's block_q4_K):
+
+       bytes 0-1    d      f16, scale of the sub-block scales
+       bytes 2-3    dmin   f16, scale of the sub-block mins
+       bytes 4-15   12 bytes: eight 6-bit scales sc_j and eight 6-bit mins m_j, packed
+                    (j < 4: sc_j = s[j] & 63, m_j = s[j+4] & 63; j >= 4: the low 4 bits
+                    in s[j+4] (sc low nibble, m high nibble), the high 2 bits in the top
+                    bits of s[j-4] (sc) and s[j] (m))
+       bytes 16-143 128 bytes of nibbles: byte 32c + i holds weight 64c + i (low nibble,
+                    sub-block 2c) and weight 64c + 32 + i (high nibble, sub-block 2c + 1)
+
+   Every block format meets activations quantised to int8 per 32 values (`act_q8`): a
+   Q4_K sub-block of 32 is then one integer dot and one integer sum,
+   d*sc_j*d_x*sum(q*q_x) - dmin*m_j*d_x*sum(q_x), which is how the host kernel computes it.
 
 2. **Expert parts.** A routed expert is the pytree `{"gate_up": [2F, D], "down": [D, F]}`
    (the Hugging Face fused layout: gate_up rows 0..F-1 gate, F..2F-1 up). The host pool
@@ -72,7 +93,8 @@ def _bf16_to_f32(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32)
 
 
-QUANT_BLOCK = 32  # weights per block of the block formats
+QUANT_BLOCK = 32  # weights per block of Q8_0 / Q4_0, per sub-block of Q4_K, per activation block
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights and bytes of one Q4_K super-block
 
 
 def _block_scales(blocks: jax.Array) -> jax.Array:
@@ -95,10 +117,157 @@ def _q4_0_to_f32(w: jax.Array) -> jax.Array:
     return (q * _block_scales(blocks)).reshape(*w.shape[:-1], -1)
 
 
+def _q4_k_scales_mins(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The 12 packed scale bytes [..., 12] uint8 -> sc, m [..., 8] (6-bit values, XLA)."""
+    lo, hi, low4 = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([lo & 0x3F, (low4 & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = jnp.concatenate([hi & 0x3F, (low4 >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    return sc, m
+
+
+def _q4_k_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*144] uint8 -> [..., rows, nb*256] float32 (device, XLA); the same
+    float32 operations as gguf's dequantiser: (d * sc) * q - (dmin * m)."""
+    blocks = w.reshape(*w.shape[:-1], -1, Q4_K_BYTES)
+    d = _block_scales(blocks)  # [..., nb, 1]
+    dmin = jax.lax.bitcast_convert_type(blocks[..., 2:4], jnp.float16).astype(jnp.float32)[..., None]
+    sc, m = _q4_k_scales_mins(blocks[..., 4:16])  # [..., nb, 8]
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, QUANT_BLOCK)  # [..., nb, 4, 1, 32]
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], 8, QUANT_BLOCK)  # [..., nb, 8, 32]
+    scale = (d * sc.astype(jnp.float32))[..., None]  # [..., nb, 8, 1]
+    offset = (dmin * m.astype(jnp.float32))[..., None]
+    return (scale * q.astype(jnp.float32) - offset).reshape(*w.shape[:-1], -1)
+
+
+def _nearest_int(a: np.ndarray) -> np.ndarray:
+    """llama.cpp's nearest_int: round half to even, as int32."""
+    return np.rint(a).astype(np.int32)
+
+
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """[n, G] -> [G]: the sum over the first axis in order, in float32, as C's `s += a[i]`
+    loop adds (llama.cpp's choice between candidate fits can hinge on the last bit)."""
+    s = a[0].copy()
+    for row in a[1:]:
+        s += row
+    return s
+
+
+def _qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int = 15, rmin: float = -1.0, rdelta: float = 0.1,
+                 nstep: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's make_qkx2_quants (squared error) over G groups at once, group-minor:
+    x, weights [n, G] float32 -> (scale [G], the_min [G] (>= 0: x ~ scale * L - the_min),
+    L [n, G] float32 levels). A weighted least-squares fit of (scale, min) to the levels
+    of nstep + 1 candidate inverse scales; a better fit moves the origin of the next ones."""
+    f32 = np.float32
+    hi = x.max(axis=0)  # [G]
+    low = np.minimum(x.min(axis=0), f32(0))
+    flat = hi == low  # constant groups (all zero): levels 0, scale 0
+    sum_w, sum_x = _seq_sum(weights), _seq_sum(weights * x)
+
+    def levels(iscale, origin, out):  # clip(nearest_int(iscale * (x - origin)), 0, nmax), in float
+        np.subtract(x, origin, out=out)
+        out *= iscale
+        np.rint(out, out=out)
+        return np.clip(out, 0, nmax, out=out)
+
+    def error(scale, origin, lv, tmp):  # sum_i w * (scale * l + origin - x)^2, in C's order
+        np.multiply(scale, lv, out=tmp)
+        tmp += origin
+        tmp -= x
+        tmp *= tmp
+        tmp *= weights
+        return _seq_sum(tmp)
+
+    lv, tmp = np.empty_like(x), np.empty_like(x)
+    level_iscale = f32(nmax) / np.where(flat, f32(1), hi - low)  # the levels kept: this scale ...
+    level_origin = low  # ... about this origin
+    scale = f32(1) / level_iscale
+    best = error(scale, low, levels(level_iscale, low, lv), tmp)
+    for step in range(nstep + 1):
+        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / np.where(flat, f32(1), hi - low)
+        levels(iscale, low, lv)
+        np.multiply(weights, lv, out=tmp)  # w * l
+        sum_l, sum_xl = _seq_sum(tmp), _seq_sum(tmp * x)
+        tmp *= lv
+        sum_l2 = _seq_sum(tmp)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        det = np.where(ok, det, f32(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        clamp = this_min > 0
+        this_min = np.where(clamp, f32(0), this_min)
+        this_scale = np.where(clamp, sum_xl / np.where(ok, sum_l2, f32(1)), this_scale)
+        err = error(this_scale, this_min, lv, tmp)
+        better = ok & (err < best)
+        level_iscale = np.where(better, iscale, level_iscale)
+        level_origin = np.where(better, low, level_origin)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        low = np.where(better, this_min, low)
+    L = np.where(flat, f32(0), levels(level_iscale, level_origin, lv))
+    return np.where(flat, f32(0), scale), -low, L
+
+
+Q4_K_CHUNK = 1 << 14  # super-blocks quantised at once (4M weights: temporaries of 16 MiB)
+
+
+def quantise_q4_k(a: np.ndarray) -> np.ndarray:
+    """float32 [..., n] (n % 256 == 0) -> GGUF Q4_K bytes uint8 [..., n/256 * 144]: llama.cpp's
+    quantize_row_q4_K_ref in vectorised numpy, the same float32 operations in the same
+    order, so the same bytes (checked against libggml-base's quantize_row_q4_K_ref on
+    27k super-blocks: Gaussian, heavy-tailed, all-positive, all-negative, constant and
+    tied values; ~3.5M weights/s on one core). Per sub-block of 32 the
+    (av_x + |x|)-weighted best (scale, min) of `_qkx2_quants`; per super-block the scales
+    and mins quantised to 6 bits against d = max scale / 63 and dmin = max min / 63 (f16);
+    then every weight requantised to the nibble nearest (x + dmin*m_j) / (d*sc_j)."""
+    a = np.asarray(a, np.float32)
+    if a.shape[-1] % Q4_K_BLOCK:
+        raise ValueError(f"q4_k needs rows of a multiple of {Q4_K_BLOCK} weights, got {a.shape[-1]}")
+    x = a.reshape(-1, Q4_K_BLOCK)  # [N, 256] super-blocks
+    out = np.empty((x.shape[0], Q4_K_BYTES), np.uint8)  # [N, 144]
+    for c in range(0, x.shape[0], Q4_K_CHUNK):
+        out[c:c + Q4_K_CHUNK] = _quantise_q4_k_blocks(x[c:c + Q4_K_CHUNK])
+    return out.reshape(*a.shape[:-1], -1)
+
+
+def _quantise_q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    """[N, 256] float32 -> [N, 144] uint8 (see `quantise_q4_k`)."""
+    f32 = np.float32
+    N = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(N * 8, QUANT_BLOCK).T)  # [32, N*8]: sub-blocks, group-minor
+    av_x = np.sqrt(_seq_sum(np.square(sub)) / f32(QUANT_BLOCK))  # [N*8]
+    scales, mins, L = _qkx2_quants(sub, av_x + np.abs(sub))
+    scales, mins = scales.reshape(N, 8), mins.reshape(N, 8)
+    L = L.T.reshape(N, 8, QUANT_BLOCK)  # the fit's levels (kept where a quantised scale is 0)
+    max_scale = np.maximum(scales.max(axis=-1), f32(0))  # [N]
+    max_min = np.maximum(mins.max(axis=-1), f32(0))
+    inv_scale = np.where(max_scale > 0, f32(63) / np.where(max_scale > 0, max_scale, f32(1)), f32(0))
+    inv_min = np.where(max_min > 0, f32(63) / np.where(max_min > 0, max_min, f32(1)), f32(0))
+    # C's uint8 casts: a negative level wraps, then min(63, .) clamps it
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)  # [N, 8]
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+    packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+                             (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], axis=-1)  # [N, 12]
+    d16 = (max_scale / f32(63)).astype(np.float16)
+    dmin16 = (max_min / f32(63)).astype(np.float16)
+    d = d16.astype(f32)[:, None] * ls.astype(f32)  # [N, 8]
+    dm = dmin16.astype(f32)[:, None] * lm.astype(f32)
+    live = d != 0  # a zero scale keeps the levels of the fit, as llama.cpp does
+    xs = x.reshape(N, 8, QUANT_BLOCK)
+    requant = np.clip(np.rint((xs + dm[..., None]) / np.where(live, d, f32(1))[..., None]), 0, 15)
+    L = np.where(live[..., None], requant, L).astype(np.uint8)  # [N, 8, 32]
+    qs = (L[:, 0::2] | (L[:, 1::2] << 4)).reshape(N, -1)  # [N, 128]: sub-block 2c low nibbles, 2c+1 high
+    return np.concatenate([d16.view(np.uint8).reshape(N, 2), dmin16.view(np.uint8).reshape(N, 2), packed, qs],
+                          axis=-1)
+
+
 def quantise_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """numpy twin of the host kernels' activation quantiser (host_kernels/kernels.h ActQ8):
     x [..., n] (n % 32 == 0) -> q [..., n] int8, d [..., n/32] float32, per 32 values
-    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in float32."""
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in float32 (the kernels'
+    blocks also carry d * sum(q), which Q4_K's min terms use)."""
     x = np.asarray(x, np.float32)
     b = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
     d = np.abs(b).max(axis=-1) / np.float32(127)
@@ -120,16 +289,16 @@ def act_q8(x: jax.Array) -> jax.Array:
     return (jnp.round(b * inv) * d).reshape(x.shape)
 
 
-def _gguf_codec(name: str):
-    """(quantise, dequantise) numpy functions of a GGUF block type, from the gguf package
-    (imported on first use)."""
+def _gguf_codec(name: str, block: int):
+    """(quantise, dequantise) numpy functions of a GGUF block type of `block` weights,
+    from the gguf package (imported on first use)."""
 
     def quantise(a: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType, quants
 
         a = np.asarray(a, np.float32)
-        if a.shape[-1] % QUANT_BLOCK:
-            raise ValueError(f"{name} needs rows of a multiple of {QUANT_BLOCK} weights, got {a.shape[-1]}")
+        if a.shape[-1] % block:
+            raise ValueError(f"{name} needs rows of a multiple of {block} weights, got {a.shape[-1]}")
         return quants.quantize(a, GGMLQuantizationType[name.upper()])
 
     def dequantise(a: np.ndarray) -> np.ndarray:
@@ -173,10 +342,11 @@ class Format:
         return stored_cols if self.block == 1 else stored_cols // self.block_bytes * self.block
 
 
-def _block_format(name: str, block_bytes: int, to_f32) -> Format:
-    quantise, dequantise = _gguf_codec(name)
-    return Format(name, np.dtype(np.uint8), block_bytes / QUANT_BLOCK, to_f32, dequantise, quantise,
-                  QUANT_BLOCK, block_bytes, act_q8)
+def _block_format(name: str, block_bytes: int, to_f32, block: int = QUANT_BLOCK, quantise=None) -> Format:
+    """A GGUF block format: gguf's dequantiser, and its quantiser unless one is given."""
+    gguf_quantise, dequantise = _gguf_codec(name, block)
+    return Format(name, np.dtype(np.uint8), block_bytes / block, to_f32, dequantise, quantise or gguf_quantise,
+                  block, block_bytes, act_q8)
 
 
 FORMATS: dict[str, Format] = {
@@ -185,6 +355,7 @@ FORMATS: dict[str, Format] = {
     "bfloat16": Format("bfloat16", np.dtype(np.uint16), 2, _bf16_to_f32, bf16_bits_to_f32, to_bf16_bits),
     "q8_0": _block_format("q8_0", 34, _q8_0_to_f32),
     "q4_0": _block_format("q4_0", 18, _q4_0_to_f32),
+    "q4_k": _block_format("q4_k", Q4_K_BYTES, _q4_k_to_f32, Q4_K_BLOCK, quantise_q4_k),
 }
 BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.block > 1)
 _BY_STORAGE = {f.storage: f for f in FORMATS.values() if f.block == 1}
@@ -212,11 +383,12 @@ QUANTISED_ALIASES = {"int8": "q8_0", "int4": "q4_0"}
 
 def canonical_dtype(dtype) -> str:
     """A format name of `FORMATS`: 'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 ->
-    'bfloat16'; f32 alike; 'q8_0' / 'q4_0' as named (a dtype such as int8 is not a
-    format: `QUANTISED_ALIASES` are resolved where users name an expert dtype)."""
+    'bfloat16'; f32 alike; the block formats ('q8_0', 'q4_0', 'q4_k') as named (a dtype
+    such as int8 is not a format: `QUANTISED_ALIASES` are resolved where users name an
+    expert dtype)."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "uint16": "bfloat16",
-               "f32": "float32", "fp32": "float32", "float32": "float32", "q8_0": "q8_0", "q4_0": "q4_0"}
+               "f32": "float32", "fp32": "float32", "float32": "float32", **{f: f for f in BLOCK_FORMATS}}
     if name not in aliases:
         raise ValueError(f"unsupported expert format {dtype!r} (formats: {', '.join(FORMATS)})")
     return aliases[name]

@@ -9,7 +9,8 @@ from types import ModuleType
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.models import deltanet  # noqa: F401  (registers the gated_deltanet layer kind)
 from ftjax.models import mla  # noqa: F401  (registers the mla layer kind)
-from ftjax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from ftjax.models import dsa  # noqa: F401  (registers the mla_dsa layer kind)
+from ftjax.models import deepseek_v3, glm4_moe, glm_moe_dsa, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
 FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
@@ -21,6 +22,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_5_moe_text": qwen3_5_moe,
     "glm4_moe": glm4_moe,
     "deepseek_v3": deepseek_v3,
+    "glm_moe_dsa": glm_moe_dsa,
 }
 
 

@@ -31,16 +31,23 @@ def softmax_scale(hf: dict, qk_head_dim: int, factor: float | None) -> float:
     return scale
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    f = base_fields(hf, yarn=True)
-    q_lora = hf.get("q_lora_rank")
+def mla_head_dims(hf: dict, fields: dict, family: str) -> tuple[int, int]:
+    """(qk_nope_head_dim, qk_rope_head_dim) of an MLA config; sets the per-head q/k width
+    and kv heads (MLA has none) in `fields`. RoPE must cover exactly the rope dims."""
     nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
     partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for deepseek_v3 "
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported for {family} "
                           "(RoPE covers qk_rope_head_dim)")
+    fields.update(head_dim=nope + rope, num_kv_heads=fields["num_heads"])
+    return nope, rope
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    f = base_fields(hf, yarn=True)
+    q_lora = hf.get("q_lora_rank")
+    nope, rope = mla_head_dims(hf, f, "deepseek_v3")
     scaling = f["rope_scaling"]
-    f.update(head_dim=nope + rope, num_kv_heads=f["num_heads"])  # per-head q/k width; MLA has no kv heads
     return check(ModelConfig(
         **f,
         **deepseek_moe_fields(hf, f["num_layers"]),

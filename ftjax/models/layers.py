@@ -28,6 +28,8 @@ Kinds
                 (`ftjax.models.deltanet`).
     mla         multi-head latent attention over a latent cache {"c_kv", "k_pe"}
                 (DeepSeek-V3, `ftjax.models.mla`).
+    mla_dsa     MLA plus the sparse-attention indexer and its own key cache
+                {"c_kv", "k_pe", "idx_k"} (GLM-5, `ftjax.models.dsa`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ with a running max and sum as `layers.blocked_attention`:
   taken over the latents, and W_UV is applied once to that [H, R] result. Nothing of
   size S·H is ever materialised.
 
+Sparse attention (GLM-5, `ftjax.models.dsa`) is this layer with one hook overridden:
+`select_keys` (after this call's latents are written) may add leaves to the state and
+return a per-query key mask `keep` [B, T, S], which `latent_attention` applies to every
+key block besides causality; dense MLA returns None (every causal key).
+
 RoPE: transformers 5 rotates q_pe and k_pe over interleaved pairs (x0, x1), (x2, x3), ...
 when `rope_interleave` (DeepSeek-V3's checkpoints), else rotate-half. The interleaved form
 is the rotate-half form on the de-interleaved vector [x0, x2, ... | x1, x3, ...] (its output
@@ -65,13 +70,15 @@ def split_kv_b(w: jax.Array, heads: int, nope: int, v: int) -> tuple[jax.Array, 
 
 def latent_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, w_uk: jax.Array,
                      w_uv: jax.Array, positions: jax.Array, kv_len: jax.Array, scale: float, absorbed: bool,
-                     block: int = ATTENTION_BLOCK) -> jax.Array:
+                     block: int = ATTENTION_BLOCK, keep: jax.Array | None = None) -> jax.Array:
     """Causal MLA over the latent cache prefix in use, one key block at a time.
 
     q_nope [B, T, H, dn], q_pe [B, T, H, dr] (rotated); c_kv [B, S, R], k_pe [B, S, dr];
     w_uk [R, H, dn], w_uv [R, H, dv]; positions [B, T]; kv_len [B] keys in use per row
     -> out [B, T, H, dv] float32. absorbed: the decode form (scores and values on the
-    latents), else the expanded form (per-head K, V of each block); equal up to rounding."""
+    latents), else the expanded form (per-head K, V of each block); equal up to rounding.
+    keep [B, T, S] bool (optional): the keys each query may see besides causality (sparse
+    attention's selection, `ftjax.models.dsa`); every query must keep at least one key."""
     B, T, H, _ = q_nope.shape
     S, R = c_kv.shape[1], c_kv.shape[2]
     block = block if S % block == 0 else S
@@ -97,7 +104,10 @@ def latent_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: 
         else:
             k_nope = jnp.einsum("bsr,rhd->bshd", cb, w_uk)  # [B, blk, H, dn]
             s = s + jnp.einsum("bthd,bshd->bhts", q_main, k_nope)
-        s = jnp.where(k_pos <= q_pos, s, _MASKED)
+        visible = k_pos <= q_pos  # [B, 1, T, blk]
+        if keep is not None:
+            visible = visible & jax.lax.dynamic_slice_in_dim(keep, i * block, block, axis=2)[:, None]
+        s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         rescale = jnp.exp(m - m_new)
@@ -156,42 +166,54 @@ class LatentAttention(nnx.Module):
         return {name: resize_axis(a, max_len, axis=1) for name, a in state.items()}
 
     # ---- forward ------------------------------------------------------------------------
-    def _query(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> q [B, T, H*(dn+dr)]."""
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """x [B, T, D] -> q [B, T, H*(dn+dr)], the normalised query latent [B, T, Rq] (None
+        without a q down-projection)."""
         m = self.cfg.mla
         if m.q_lora_rank is None:
-            return linear(x, self.wq[...])
+            return linear(x, self.wq[...]), None
         q = linear(x, self.w_q_a[...])  # [B, T, Rq]
         if m.attention_bias:
             q = q + self.b_q_a[...]
-        return linear(self.q_a_norm(q), self.w_q_b[...])
+        q_latent = self.q_a_norm(q)
+        return linear(q_latent, self.w_q_b[...]), q_latent
 
-    def project(self, x: jax.Array, step: Step) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def project(self, x: jax.Array, step: Step):
         """x [B, T, D] -> q_nope [B, T, H, dn], q_pe [B, T, H, dr] (rotated), c_kv [B, T, R],
-        k_pe [B, T, dr] (rotated): this call's queries and cache rows."""
+        k_pe [B, T, dr] (rotated): this call's queries and cache rows; and the query latent
+        [B, T, Rq] (or None) a key selector may read."""
         m, H = self.cfg.mla, self.cfg.num_heads
         B, T, _ = x.shape
         dn, R = m.qk_nope_head_dim, m.kv_lora_rank
-        q = self._query(x).reshape(B, T, H, dn + m.qk_rope_head_dim)
+        q, q_latent = self._query(x)
+        q = q.reshape(B, T, H, dn + m.qk_rope_head_dim)
         kv = linear(x, self.w_kv_a[...])  # [B, T, R+dr]
         if m.attention_bias:
             kv = kv + self.b_kv_a[...]
         cos, sin = step.rope
         q_pe = mla_rope(q[..., dn:], cos, sin, m.rope_interleave)
         k_pe = mla_rope(kv[:, :, None, R:], cos, sin, m.rope_interleave)[:, :, 0]
-        return q[..., :dn], q_pe, self.kv_a_norm(kv[..., :R]), k_pe
+        return q[..., :dn], q_pe, self.kv_a_norm(kv[..., :R]), k_pe, q_latent
+
+    def select_keys(self, x: jax.Array, q_latent: jax.Array | None, step: Step,
+                    state: dict[str, Any]) -> tuple[jax.Array | None, dict[str, Any]]:
+        """Hook for sparse attention: x [B, T, D], the query latent, the state with this
+        call's latents written -> (keep [B, T, S] bool or None = every causal key, state).
+        Dense MLA keeps every key; `ftjax.models.dsa` overrides it with its indexer."""
+        return None, state
 
     def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
         """x [B, T, D] -> out [B, T, D], state with this call's latents written."""
         m, H = self.cfg.mla, self.cfg.num_heads
         B, T, _ = x.shape
-        q_nope, q_pe, c_kv, k_pe = self.project(x, step)
-        state = {"c_kv": write_rows(state["c_kv"], c_kv, step.start, axis=1),
+        q_nope, q_pe, c_kv, k_pe, q_latent = self.project(x, step)
+        state = {**state, "c_kv": write_rows(state["c_kv"], c_kv, step.start, axis=1),
                  "k_pe": write_rows(state["k_pe"], k_pe, step.start, axis=1)}
+        keep, state = self.select_keys(x, q_latent, step, state)
         w_uk, w_uv = split_kv_b(self.w_kv_b[...], H, m.qk_nope_head_dim, m.v_head_dim)
         scale = m.softmax_scale or (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
         out = latent_attention(q_nope, q_pe, state["c_kv"], state["k_pe"], w_uk, w_uv, step.positions,
-                               step.start + T, scale, absorbed=T == 1)
+                               step.start + T, scale, absorbed=T == 1, keep=keep)
         out = linear(out.reshape(B, T, H * m.v_head_dim).astype(x.dtype), self.wo[...])
         if m.attention_bias:
             out = out + self.bo[...]

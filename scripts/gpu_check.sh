@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The one prepared accelerator check: on a machine with one NVIDIA GPU whose image has
+# JAX with CUDA, nvcc, nanobind and scikit-build-core but no network, build ftjax
+# against the JAX found there, run the `gpu`-marked tests, run the GPU benchmark, and
+# print one table. Target: under 8 minutes.
+#
+#   scripts/gpu_check.sh            # on the GPU machine
+#   scripts/gpu_check.sh --dry-run  # anywhere: the same steps on the CPU backend
+#                                   # (no build, FTJAX_GPU_DRY_RUN=1, a short benchmark)
+#
+# Packages the image lacks (flax, safetensors, tokenizers, ...) install from wheels
+# carried in $WHEELS (default: ./wheels) with --no-index; JAX itself is never installed
+# here (its CUDA plugin is the image's). Results: $OUT (default /tmp/ftjax-gpu-check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUT=${OUT:-/tmp/ftjax-gpu-check}
+WHEELS=${WHEELS:-wheels}
+mkdir -p "$OUT"
+start=$(date +%s)
+
+if [[ $DRY == 1 ]]; then
+  export JAX_PLATFORMS=cpu FTJAX_GPU_DRY_RUN=1
+  echo "dry run: CPU backend"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+  python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$OUT/jax.txt"
+  if [[ -d "$WHEELS" ]]; then
+    pip install --no-index --find-links "$WHEELS" flax safetensors tokenizers jinja2 orbax-checkpoint \
+      fastapi uvicorn pydantic gguf pytest ml_dtypes >"$OUT/pip-deps.log" 2>&1 || true
+  fi
+  # against the installed jaxlib's FFI headers; the CPU handlers build as on any machine
+  pip install --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 \
+    || { echo "build failed: $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
+  | tee "$OUT/gpu-tests.txt" || true
+if [[ $DRY == 1 ]]; then
+  python scripts/gpu_bench.py --tokens 16 --prompt 64 | tee "$OUT/bench.jsonl"
+else
+  python scripts/gpu_bench.py | tee "$OUT/bench.jsonl"
+fi
+
+python - "$OUT" "$start" <<'PY'
+import json, sys, time, xml.etree.ElementTree as ET
+out, start = sys.argv[1], int(sys.argv[2])
+suite = ET.parse(f"{out}/gpu-tests.xml").getroot().find("testsuite") or ET.parse(f"{out}/gpu-tests.xml").getroot()
+rows = [("gpu tests", f"{suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} errors, "
+                      f"{suite.get('skipped')} skipped")]
+for line in open(f"{out}/bench.jsonl"):
+    r = json.loads(line)
+    if r["bench"] == "gpu_decode":
+        rows += [("backend", r["backend"]),
+                 ("decode tok/s (cache = 25% of experts)", f"{r['tok_s']:.1f} (roofline {r['roofline_tok_s']:.1f}, "
+                                                           f"miss rate {r['miss_rate']:.2f})"),
+                 ("B_P / B_H profile GB/s", f"{r['B_P_gbps']:.2f} / {r['B_H_gbps']:.2f}"),
+                 ("placement", json.dumps(r["placement"]))]
+    elif r["bench"] == "gpu_prefill" and r.get("available", True):
+        rows.append(("prefill s: pipelined / transfer / compute / max / sum",
+                     f"{r['t_prefill_s']:.3f} / {r['t_transfer_s']:.3f} / {r['t_compute_s']:.3f} / "
+                     f"{r['max_s']:.3f} / {r['sum_s']:.3f}"))
+rows.append(("wall s", str(int(time.time()) - start)))
+w = max(len(k) for k, _ in rows)
+for k, v in rows:
+    print(f"{k:<{w}}  {v}")
+PY
