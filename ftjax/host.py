@@ -284,10 +284,11 @@ class HostExecutor:
         return y
 
 
-def memory_kinds() -> set[str]:
+@functools.cache
+def memory_kinds() -> frozenset[str]:
     """The memory kinds the default device can address ('device', 'pinned_host',
-    'unpinned_host' on the CPU and GPU backends)."""
-    return {m.kind for m in jax.devices()[0].addressable_memories()}
+    'unpinned_host' on the CPU and GPU backends); fixed for the process."""
+    return frozenset(m.kind for m in jax.devices()[0].addressable_memories())
 
 
 def sharding(memory_kind: str = "device") -> jax.sharding.Sharding:

@@ -205,8 +205,7 @@ class Model:
             "prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
             "steps": self._telemetry.step, "log_steps_dropped": self._telemetry.dropped,
             "placement": self.placement(),
-            **({"bandwidth": {**self.calibration.stats(), "q_table": self.calibration.current.tolist()}}
-               if self.calibration else {}),
+            **({"bandwidth": self.calibration.stats()} if self.calibration else {}),
         }
 
     def calibrate(self) -> None:
@@ -214,13 +213,10 @@ class Model:
         estimates (`ftjax.experts.calibration`) and, when the q table of the new r differs
         from the executor's, swap it in (data: nothing recompiles). The decode and prefill
         loops call this after every step; cheap (three integers read, no device sync)."""
-        cal = self.calibration
-        if cal is None or not cal.poll(self._host.work_done()):
+        if self.calibration is None:
             return
-        ex = self._steps.executor
-        table = cal.table(ex.policy, ex.num_experts)
-        if not np.array_equal(table, cal.current):
-            cal.current = table
+        table = self.calibration.poll(self._host.work_done())
+        if table is not None:
             self._xstate = {**self._xstate, "q_of_misses": jax.device_put(table, sharding("device"))}
 
     def placement(self) -> dict[str, str | None]:
@@ -228,10 +224,11 @@ class Model:
         kinds): the expert pool ("pinned_host"; "device" under the `device` reference
         policy), the expert cache (None without one), the per-session state, and the
         dense weights. E.g. {"expert_pool": "pinned_host", "expert_cache": "device",
-        "state": "device", "dense": "device"}."""
+        "state": "device", "dense": "device"}. States are not held by the model: theirs is
+        the kind `new_state` commits them to (no state is made to ask)."""
         return {"expert_pool": memory_kind_of(self._pool_dev),
                 "expert_cache": memory_kind_of(self._xstate.get("cache", {})),
-                "state": memory_kind_of(self.new_state(1, 1)),
+                "state": sharding("device").memory_kind,
                 "dense": memory_kind_of(self._params)}
 
     def reset_stats(self) -> None:
@@ -333,11 +330,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         host = HostExecutor(pool, threads=threads)
         host_fn = host.expert_ffn
         if pol.split == "adaptive" and calibrate:
-            calibration = Calibration(bandwidth, pool.expert_bytes)
+            calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype)
-    if calibration is not None:
-        calibration.current = executor.q_of_misses
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)

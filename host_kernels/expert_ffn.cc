@@ -174,7 +174,7 @@ int64_t plan_down_rows(const PoolView& pool, int num_threads) {
 }  // namespace
 
 std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& batch,
-                       ThreadPool* threads, Isa isa) {
+                       ThreadPool* threads, Isa isa, int64_t* experts_read) {
   if (layer < 0 || layer >= pool.num_layers)
     return "layer " + std::to_string(layer) + " out of range [0, " +
            std::to_string(pool.num_layers) + ")";
@@ -186,6 +186,7 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   Routing routing;
   std::string err = group_by_expert(batch, pool.num_experts, &routing);
   if (!err.empty()) return err;
+  if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
   const bool blocks = is_block_type(pool.wtype);

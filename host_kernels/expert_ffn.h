@@ -43,7 +43,8 @@ struct TokenBatch {
 
 // y[t] = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]). Returns "" on success, else
 // an error message (bad layer, id >= E, missing ISA); y is untouched on error.
+// experts_read, if given, receives the number of distinct experts the call read.
 std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& batch,
-                       ThreadPool* threads, Isa isa);
+                       ThreadPool* threads, Isa isa, int64_t* experts_read = nullptr);
 
 }  // namespace ftjax

@@ -7,7 +7,6 @@
 #include <exception>
 #include <new>
 #include <string>
-#include <vector>
 
 #include "attention.h"
 #include "expert_ffn.h"
@@ -38,19 +37,13 @@ ffi::Error guarded(const char* target, Body&& body) noexcept {
 }
 
 // What the routed-expert handler did, for online bandwidth calibration: a caller-owned
-// int64[3] {calls, nanoseconds in the kernel, distinct experts read}, added to at the end
-// of each call (atomically; the step's host work is done by the time Python reads it).
-void record_host_work(int64_t stats_ptr, const int32_t* ids, int64_t n_ids, int64_t num_experts,
-                      std::chrono::steady_clock::time_point start) {
+// int64[3] {calls, nanoseconds in the kernel, distinct experts read (the kernel's own
+// count)}, added to at the end of each call (atomically; the step's host work is done by
+// the time Python reads it).
+void record_host_work(int64_t stats_ptr, int64_t experts, std::chrono::steady_clock::time_point start) {
   if (stats_ptr == 0) return;
   int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                    std::chrono::steady_clock::now() - start).count();
-  std::vector<char> seen(static_cast<size_t>(num_experts), 0);
-  int64_t experts = 0;
-  for (int64_t i = 0; i < n_ids; ++i) {
-    int32_t e = ids[i];
-    if (e >= 0 && e < num_experts && !seen[e]) seen[e] = 1, ++experts;
-  }
   auto* stats = reinterpret_cast<int64_t*>(stats_ptr);
   __atomic_fetch_add(&stats[0], 1, __ATOMIC_RELAXED);
   __atomic_fetch_add(&stats[1], ns, __ATOMIC_RELAXED);
@@ -87,11 +80,12 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        static_cast<WeightType>(dtype)};
   ftjax::TokenBatch batch{x.typed_data(), ids.typed_data(), weights.typed_data(),
                           y->typed_data(), xd[0], idd[1]};
+  int64_t experts_read = 0;
   std::string err = ftjax::expert_ffn(pool, layer.typed_data()[0], batch,
                                       reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
-                                      static_cast<Isa>(isa));
+                                      static_cast<Isa>(isa), &experts_read);
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + err);
-  record_host_work(stats_ptr, ids.typed_data(), idd[0] * idd[1], num_experts, start);
+  record_host_work(stats_ptr, experts_read, start);
   return ffi::Error::Success();
 }
 

@@ -29,6 +29,18 @@ def emit(record: dict) -> None:
           flush=True)
 
 
+def model_config(path: str | None):
+    """The config alone for a checkpoint folder (None: the embedded model); a .gguf file
+    carries it inside, so that one is loaded."""
+    if path is not None and path.endswith(".gguf"):
+        return ftjax.load(path).config
+    from ftjax.config import read_config_json
+    from ftjax.model import DEFAULT_MODEL_DIR
+    from ftjax.models import config_from_hf
+
+    return config_from_hf(read_config_json(path or DEFAULT_MODEL_DIR))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the embedded model)")
@@ -36,7 +48,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of the prefill breakdown")
     args = ap.parse_args()
 
-    cfg = ftjax.load(args.model).config
+    cfg = model_config(args.model)
     slots = max(1, cfg.num_moe_layers * cfg.num_experts // 4)
     model = ftjax.load(args.model, policy="lru", cache_slots=slots)
     rng = np.random.default_rng(0)
@@ -56,7 +68,9 @@ def main() -> None:
           "roofline_tok_s": 1.0 / max(fetch_s, host_s, 1e-9), "B_P_gbps": b_p, "B_H_gbps": b_h,
           "live": st.get("bandwidth"), "placement": st["placement"]})
     ids = rng.integers(0, cfg.vocab_size, args.prompt).tolist()
-    ov = prefill_overlap(ftjax.load(args.model, policy="lru", cache_slots=slots, prefill="streamed"), ids)
+    model.prefill_mode = "streamed"
+    model.clear_expert_cache()  # as loaded: every non-resident expert crosses the link
+    ov = prefill_overlap(model, ids)
     if ov.get("available"):
         emit({"bench": "gpu_prefill", "tokens": args.prompt, "t_prefill_s": ov["t_prefill_s"],
               "t_transfer_s": ov["t_transfer_s"], "t_compute_s": ov["t_compute_s"],

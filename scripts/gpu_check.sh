@@ -46,7 +46,8 @@ fi
 python - "$OUT" "$start" <<'PY'
 import json, sys, time, xml.etree.ElementTree as ET
 out, start = sys.argv[1], int(sys.argv[2])
-suite = ET.parse(f"{out}/gpu-tests.xml").getroot().find("testsuite") or ET.parse(f"{out}/gpu-tests.xml").getroot()
+root = ET.parse(f"{out}/gpu-tests.xml").getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
 rows = [("gpu tests", f"{suite.get('tests')} run, {suite.get('failures')} failed, {suite.get('errors')} errors, "
                       f"{suite.get('skipped')} skipped")]
 for line in open(f"{out}/bench.jsonl"):

@@ -89,15 +89,24 @@ def hf_config_glm(num_layers: int) -> dict:
     }
 
 
+def mla_moe_fields(c: dict, num_layers: int) -> dict:
+    """The config.json keys DeepSeek-V3 and GLM-5 share: MLA sizes and DeepSeek-style MoE
+    (one shared expert, routed scaling 2.5, top-k renormalised, one dense first layer)."""
+    return {
+        "hidden_size": c["D"], "num_hidden_layers": num_layers, "num_attention_heads": c["H"],
+        "num_key_value_heads": c["H"], "q_lora_rank": c["QR"], "kv_lora_rank": c["R"],
+        "qk_nope_head_dim": c["DN"], "qk_rope_head_dim": c["DR"], "v_head_dim": c["DV"],
+        "intermediate_size": c["FD"], "moe_intermediate_size": c["F"], "n_routed_experts": c["E"],
+        "num_experts_per_tok": K, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+    }
+
+
 def hf_config_dsv3(num_layers: int) -> dict:
     c = DSV3
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": c["D"],
-        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": c["H"],
-        "q_lora_rank": c["QR"], "kv_lora_rank": c["R"], "qk_nope_head_dim": c["DN"], "qk_rope_head_dim": c["DR"],
-        "v_head_dim": c["DV"], "intermediate_size": c["FD"], "moe_intermediate_size": c["F"],
-        "n_routed_experts": c["E"], "num_experts_per_tok": K, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **mla_moe_fields(c, num_layers),
+        "n_group": 8, "topk_group": 4, "moe_layer_freq": 1,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_theta": 10000, "rope_interleave": True,
         "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
@@ -110,12 +119,8 @@ def hf_config_dsv3(num_layers: int) -> dict:
 def hf_config_glm5(num_layers: int) -> dict:
     c = GLM5
     return {
-        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": c["D"],
-        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": c["H"],
-        "q_lora_rank": c["QR"], "kv_lora_rank": c["R"], "qk_nope_head_dim": c["DN"], "qk_rope_head_dim": c["DR"],
-        "v_head_dim": c["DV"], "head_dim": c["DR"], "intermediate_size": c["FD"], "moe_intermediate_size": c["F"],
-        "n_routed_experts": c["E"], "num_experts_per_tok": K, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1,
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", **mla_moe_fields(c, num_layers),
+        "head_dim": c["DR"], "n_group": 1, "topk_group": 1,
         "index_n_heads": c["HI"], "index_head_dim": c["DI"], "index_topk": c["TOPK"],
         "indexer_types": ["full"] * num_layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
         "vocab_size": c["V"], "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "hidden_act": "silu",

@@ -63,7 +63,8 @@ def test_a_layer_without_host_work_makes_no_host_call():
 
 
 def test_calibration_folds_pooled_samples_and_relaxes_to_the_profile():
-    cal = Calibration((1.0, 4.0), expert_bytes=1 << 20, alpha=0.5, min_bytes=4 << 20)
+    lru = get_policy("lru")
+    cal = Calibration((1.0, 4.0), expert_bytes=1 << 20, policy=lru, num_experts=8, alpha=0.5, min_bytes=4 << 20)
     assert cal.ratio == 0.25 and cal.stats()["B_P_source"] == "profile"
     assert not cal.observe_host(2 << 20, 0.01)  # pooled: under min_bytes
     assert cal.observe_host(2 << 20, 0.01)  # 4 MiB in 20 ms: the first fold takes the rate
@@ -72,13 +73,15 @@ def test_calibration_folds_pooled_samples_and_relaxes_to_the_profile():
     slow = cal.bandwidth[1]
     assert slow == pytest.approx(0.5 * (4 << 20) / 0.02 / 1e9 + 0.5 * (4 << 20) / 4.0 / 1e9)
     # polls without host work relax B_H back toward the profile's 4 GB/s
-    cal2 = Calibration((1.0, 4.0), expert_bytes=1 << 20)
-    cal2.poll((1, 1.0, 8))  # 8 MiB in 1 s
+    cal2 = Calibration((1.0, 4.0), expert_bytes=1 << 20, policy=lru, num_experts=8)
+    assert cal2.poll((1, 1.0, 8)) is not None  # 8 MiB in 1 s: r = 1, every miss transferred
     low = cal2.bandwidth[1]
     for _ in range(10):
-        assert cal2.poll((1, 1.0, 8))
+        before = cal2.bandwidth[1]
+        cal2.poll((1, 1.0, 8))
+        assert cal2.bandwidth[1] > before
     assert low < cal2.bandwidth[1] < 4.0
-    assert cal.table(get_policy("lru"), 8).tolist() == q_table(get_policy("lru"), 8, cal.ratio).tolist()
+    assert cal2.q_table.tolist() == q_table(lru, 8, cal2.ratio).tolist()
 
 
 def test_online_calibration_moves_q_under_an_injected_host_slowdown(monkeypatch):

@@ -23,17 +23,18 @@ A step with no host work gives no B_H sample — and once a slow host has pushed
 every miss is transferred and the host gets no work at all. So each poll without host
 work relaxes B_H a step (`relax`) back toward the profile: q drops again, the host gets
 work, and its samples confirm the slowdown (q goes back up) or show it has passed.
-After each fold r is recomputed; `table()` gives the q table for the current r, and the
-model swaps it into the executor state when it changes (same shape and dtype: the steps
-are not recompiled).
+After each fold r is recomputed and, when the q table of the new r differs from the one
+in force, `poll` returns it; the model swaps it into the executor state (same shape and
+dtype: the steps are not recompiled).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from ftjax.experts.policy import transfer_ratio
+import numpy as np
+
+from ftjax.experts.policy import Policy, q_table, transfer_ratio
 
 
 @dataclass
@@ -73,12 +74,14 @@ class Calibration:
 
     profile: tuple[float, float]  # (B_P, B_H) the model was loaded with
     expert_bytes: int  # bytes of one expert in the pool's format
+    policy: Policy  # whose q rule turns r into the table
+    num_experts: int
     alpha: float = 0.3
     min_bytes: int = 4 << 20
     relax: float = 0.02  # per poll without host work, B_H moves this share back to the profile
     _b_p: _Average = field(init=False)
     _b_h: _Average = field(init=False)
-    current: Any = None  # the q table [E+1] the executor state holds now (numpy; the model keeps it)
+    q_table: np.ndarray = field(init=False)  # [E+1] int32: the table in force (the executor state's)
     _seen: tuple[int, float, int] = field(init=False, default=(0, 0.0, 0))
 
     def __post_init__(self):
@@ -87,6 +90,7 @@ class Calibration:
         transfer_ratio(*self.profile)  # validates both bandwidths
         self._b_p = _Average(self.profile[0], self.alpha, self.min_bytes)
         self._b_h = _Average(self.profile[1], self.alpha, self.min_bytes)
+        self.q_table = q_table(self.policy, self.num_experts, self.ratio)
 
     @property
     def bandwidth(self) -> tuple[float, float]:
@@ -103,23 +107,23 @@ class Calibration:
     def observe_host(self, nbytes: int, seconds: float) -> bool:
         return self._b_h.add(nbytes, seconds)
 
-    def poll(self, work_done: tuple[int, float, int]) -> bool:
+    def poll(self, work_done: tuple[int, float, int]) -> np.ndarray | None:
         """Fold the host work done since the last poll (`HostExecutor.work_done()`, which is
-        cumulative). -> whether the B_H estimate moved."""
+        cumulative). -> the new q table [E+1] when the split changed, else None."""
         calls, seconds, experts = work_done
         seen_calls, seen_s, seen_experts = self._seen
         self._seen = work_done
         if calls == seen_calls:  # no host work since the last poll
             if self._b_h.value == self.profile[1]:
-                return False
+                return None
             self._b_h.relax(self.profile[1], self.relax)
-            return True
-        return self.observe_host((experts - seen_experts) * self.expert_bytes, seconds - seen_s)
-
-    def table(self, policy, num_experts: int):
-        """The q table [E+1] of the current r (numpy int32), for `policy`."""
-        from ftjax.experts.policy import q_table
-        return q_table(policy, num_experts, self.ratio)
+        elif not self.observe_host((experts - seen_experts) * self.expert_bytes, seconds - seen_s):
+            return None
+        table = q_table(self.policy, self.num_experts, self.ratio)
+        if np.array_equal(table, self.q_table):
+            return None
+        self.q_table = table
+        return table
 
     def stats(self) -> dict:
         b_p, b_h = self.bandwidth
@@ -127,4 +131,4 @@ class Calibration:
                 "live_gbps": {"B_P": b_p, "B_H": b_h},
                 "samples": {"B_P": self._b_p.samples, "B_H": self._b_h.samples},
                 "B_P_source": "observed" if self._b_p.samples else "profile",
-                "transfer_ratio": self.ratio}
+                "transfer_ratio": self.ratio, "q_table": self.q_table.tolist()}
