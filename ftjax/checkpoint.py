@@ -22,6 +22,15 @@ Design
   to float32 [in, out] (`dense_dtype="float32"`) is exact, only bigger and slower.
 - Data is read through `np.memmap` at the offsets of the safetensors header, so bf16
   needs no numpy dtype support and large shards are not read twice.
+- FP8 checkpoints (DeepSeek-V3's release: config `quantization_config: {quant_method: fp8,
+  fmt: e4m3, weight_block_size: [128, 128]}`): a float8_e4m3fn `X.weight` comes with an f32
+  `X.weight_scale_inv` [ceil(out/128), ceil(in/128)], w = fp8 * scale_inv per 128 x 128
+  tile. Routed experts stored so are kept as stored in an `fp8_e4m3` pool (the e4m3 bytes
+  as read, each tile's scale copied to its rows: `storage.fp8_blocks`, a relayout, not a
+  dequantisation); another expert_dtype dequantises them first. Dense FP8 matrices
+  (attention, shared experts, dense MLPs) are dequantised at load to float32 params (the
+  products e4m3 * f32 scale rounded once to f32; no bf16 packing: that would round them
+  again). Every FP8 weight needs its scale and every scale its weight, with the tile shape.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from safetensors import SafetensorError, safe_open
 
 from ftjax.config import ConfigError, ModelConfig, read_config_json, validate
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES
+from ftjax.experts.storage import (BLOCK_FORMATS, FP8_BLOCK, FORMATS, QUANTISED_ALIASES, fp8_blocks, part_formats,
+                                   pool_format)
 from ftjax.models import config_from_hf, family
 
 
@@ -49,7 +59,10 @@ class CheckpointError(ValueError):
 
 
 # safetensors dtype -> (numpy storage dtype, pool/param dtype name)
-_DTYPES = {"F32": (np.float32, "float32"), "BF16": (np.uint16, "bfloat16"), "F16": (np.float16, "float16")}
+_DTYPES = {"F32": (np.float32, "float32"), "BF16": (np.uint16, "bfloat16"), "F16": (np.float16, "float16"),
+           "I64": (np.int64, "int64"), "I32": (np.int32, "int32")}  # integer tables (DeepSeek-V4's tid2eid)
+_DTYPES["F8_E4M3"] = (np.uint8, "float8_e4m3")  # FP8: e4m3fn bits, with a weight_scale_inv tensor
+FP8_SCALE = ".weight_scale_inv"  # suffix of an FP8 weight's 128 x 128 tile scales
 
 # Canonical HF name -> target. Targets: ("param", path-template, transpose) or
 # ("expert", part) where part is gate / up / down (per expert) or gate_up / down_fused.
@@ -74,6 +87,21 @@ CANONICAL: list[tuple[re.Pattern, tuple]] = [
     (re.compile(_L + r"self_attn\.q_a_proj\.bias"), ("param", "layers.{layer}.attn.b_q_a", False)),
     (re.compile(_L + r"self_attn\.kv_a_proj_with_mqa\.bias"), ("param", "layers.{layer}.attn.b_kv_a", False)),
     (re.compile(_L + r"self_attn\.(?P<p>q_a|kv_a)_layernorm\.weight"), ("param", "layers.{layer}.attn.{p}_norm.weight", False)),
+    # DeepSeek-V4 (`models.deepseek_v4`, `models.dsv4_attention`): hyper-connections, hash tables, attention kinds
+    (re.compile(r"model\.hc_head\.(?P<p>hc_fn|hc_base|hc_scale)"), ("param", "hc_head.{p}", False)),
+    (re.compile(_L + r"(?P<hc>attn|ffn)_hc\.(?P<p>fn|base|scale)"), ("param", "layers.{layer}.{hc}_hc.{p}", False)),
+    (re.compile(_L + r"mlp\.gate\.tid2eid"), ("param", "layers.{layer}.moe.tid2eid", False)),
+    (re.compile(_L + r"self_attn\.(?P<p>kv|o_a|o_b)_proj\.weight"), ("param", "layers.{layer}.attn.w_{p}", True)),
+    (re.compile(_L + r"self_attn\.(?P<p>q_a_norm|kv_norm)\.weight"), ("param", "layers.{layer}.attn.{p}.weight", False)),
+    (re.compile(_L + r"self_attn\.sinks"), ("param", "layers.{layer}.attn.sinks", False)),
+    (re.compile(_L + r"self_attn\.compressor\.(?P<p>kv|gate)_proj\.weight"), ("param", "layers.{layer}.attn.compressor.w_{p}", True)),
+    (re.compile(_L + r"self_attn\.compressor\.position_bias"), ("param", "layers.{layer}.attn.compressor.position_bias", False)),
+    (re.compile(_L + r"self_attn\.compressor\.kv_norm\.weight"), ("param", "layers.{layer}.attn.compressor.kv_norm.weight", False)),
+    (re.compile(_L + r"self_attn\.compressor\.indexer\.(?P<p>kv|gate)_proj\.weight"), ("param", "layers.{layer}.attn.compressor.indexer.compressor.w_{p}", True)),
+    (re.compile(_L + r"self_attn\.compressor\.indexer\.q_b_proj\.weight"), ("param", "layers.{layer}.attn.compressor.indexer.w_q_b", True)),
+    (re.compile(_L + r"self_attn\.compressor\.indexer\.position_bias"), ("param", "layers.{layer}.attn.compressor.indexer.compressor.position_bias", False)),
+    (re.compile(_L + r"self_attn\.compressor\.indexer\.kv_norm\.weight"), ("param", "layers.{layer}.attn.compressor.indexer.compressor.kv_norm.weight", False)),
+    (re.compile(_L + r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.weight"), ("param", "layers.{layer}.attn.compressor.indexer.w_weights", True)),
     # DeepSeek sparse attention's indexer (GLM-5; `models.dsa`)
     (re.compile(_L + r"self_attn\.indexer\.(?P<p>wq_b|wk|weights_proj)\.weight"), ("param", "layers.{layer}.attn.indexer.{p}", True)),
     (re.compile(_L + r"self_attn\.indexer\.k_norm\.(?P<p>weight|bias)"), ("param", "layers.{layer}.attn.indexer.k_norm.{p}", False)),
@@ -135,6 +163,7 @@ class TensorRef:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     nbytes: int
+    scale: TensorRef | None = None  # F8_E4M3: its weight_scale_inv [ceil(rows/128), ceil(cols/128)] F32
 
     def read(self) -> np.ndarray:
         np_dtype = _DTYPES[self.dtype][0]
@@ -200,7 +229,8 @@ def read_header(path: Path) -> list[TensorRef]:
         if name == "__metadata__":
             continue
         if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; ftjax reads F32, BF16 and F16")
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; ftjax reads F32, BF16, F16 and "
+                                  f"F8_E4M3 (with weight_scale_inv)")
         start, end = info["data_offsets"]
         refs.append(TensorRef(name, path, info["dtype"], tuple(info["shape"]), base + start, end - start))
     return refs
@@ -239,9 +269,9 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Dotted path -> shape of every device parameter (derived from the Flax model)."""
     from flax import nnx
 
-    from ftjax.models.common import CausalLM
+    from ftjax.models.common import causal_lm
 
-    _, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)))
+    _, state = nnx.split(nnx.eval_shape(lambda: causal_lm(cfg)))
     return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
 
 
@@ -271,17 +301,66 @@ def _to_f32(ref: TensorRef) -> np.ndarray:
     a = ref.read()
     if ref.dtype == "BF16":
         return (a.astype(np.uint32) << 16).view(np.float32)
+    if ref.dtype == "F8_E4M3":  # w = e4m3 * scale_inv of its 128 x 128 tile
+        import ml_dtypes
+
+        rows, cols = a.shape[-2:]
+        tiles = np.asarray(ref.scale.read(), np.float32)
+        scale = np.repeat(np.repeat(tiles, FP8_BLOCK, axis=-2)[..., :rows, :], FP8_BLOCK, axis=-1)[..., :cols]
+        return np.asarray(a).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     return np.asarray(a, dtype=np.float32)
 
 
 def _expert_storage(ref: TensorRef, pool_dtype: str) -> np.ndarray:
     """Tensor in the pool's storage: uint16 bf16 bits, float32, or a block format's rows
-    of blocks (quantised here, row by row: the last axis is the dot-product axis)."""
+    of blocks (quantised here, row by row: the last axis is the dot-product axis; FP8
+    tensors into an fp8_e4m3 pool are relaid out as stored, not requantised)."""
     if pool_dtype == "bfloat16":
         return ref.read()  # only BF16 checkpoints get a bf16 pool
     if pool_dtype == "float32":
         return _to_f32(ref)
+    if pool_dtype == "fp8_e4m3" and ref.dtype == "F8_E4M3":
+        return fp8_blocks(ref.read(), ref.scale.read())
     return FORMATS[pool_dtype].from_f32_numpy(_to_f32(ref))
+
+
+def _fp8_config(hf: dict, where: Path) -> tuple[dict, bool]:
+    """(the config without its quantization_config, True) for an FP8 checkpoint this loader
+    reads (block-wise e4m3 in 128 x 128 tiles: the weights are dequantised or kept as stored
+    here, so the family's config reader, which refuses quantised checkpoints, never sees
+    it); (hf, False) otherwise (another quant_method still reaches the reader and fails)."""
+    q = hf.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return hf, False
+    if list(q.get("weight_block_size") or []) != [FP8_BLOCK, FP8_BLOCK] or q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"{where}: FP8 checkpoints are read with fmt e4m3 and weight_block_size [128, 128], "
+                          f"got {q}")
+    return {k: v for k, v in hf.items() if k != "quantization_config"}, True
+
+
+def _pair_fp8_scales(refs: dict[str, TensorRef], fp8_config: bool, model_dir: Path) -> None:
+    """Attach each `X.weight_scale_inv` to its F8_E4M3 `X.weight` (removing it from refs),
+    checking that the config declares FP8 (`_fp8_config`) and every pair's tile shape."""
+    scales = {name[:-len(FP8_SCALE)] + ".weight": refs.pop(name) for name in list(refs) if name.endswith(FP8_SCALE)}
+    fp8 = [name for name, r in refs.items() if r.dtype == "F8_E4M3"]
+    if not fp8 and not scales:
+        return
+    if not fp8_config:
+        raise CheckpointError(f"{model_dir / 'config.json'}: FP8 tensors need quantization_config "
+                              f"{{quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}}")
+    for name, scale in scales.items():
+        if name not in refs or refs[name].dtype != "F8_E4M3":
+            raise CheckpointError(f"{scale.file}: tensor {scale.name} scales no F8_E4M3 tensor {name}")
+    for name in fp8:
+        ref = refs[name]
+        if name not in scales:
+            raise CheckpointError(f"{ref.file}: F8_E4M3 tensor {name} has no {name[:-len('.weight')]}{FP8_SCALE}")
+        scale = scales[name]
+        want = (*ref.shape[:-2], *(-(-n // FP8_BLOCK) for n in ref.shape[-2:]))
+        if len(ref.shape) < 2 or scale.dtype != "F32" or scale.shape != want:
+            raise CheckpointError(f"{scale.file}: tensor {scale.name} is {scale.dtype} {list(scale.shape)}, expected "
+                                  f"F32 {list(want)} (128 x 128 tiles of {name} {list(ref.shape)})")
+        ref.scale = scale
 
 
 def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
@@ -292,20 +371,24 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     matrices (attention, router, shared experts, embedding, LM head). Each "bfloat16"
     or "float32"; default: bfloat16 for bf16 checkpoints, float32 otherwise. bfloat16
     is only kept where the stored tensors are bf16 (no silent rounding). Experts may
-    also be quantised at load: expert_dtype "int8" (= "q8_0"), "int4" (= "q4_0") or "q4_k",
-    the GGUF block formats of `ftjax.experts.storage` (d_model and the expert FFN width must
-    be multiples of the format's block: 32, or 256 for q4_k).
+    also be quantised at load: expert_dtype "int8" (= "q8_0"), "int4" (= "q4_0"), "q4_k",
+    "q6_k", "mxfp4" (GGUF block formats) or "fp8_e4m3" (DeepSeek-V3's 128 x 128 tile
+    scheme), the block formats of `ftjax.experts.storage` (d_model and the expert FFN width
+    must be multiples of the format's block: 32; 256 for q4_k / q6_k; 128 for fp8_e4m3).
+    FP8 checkpoints (see the module doc) keep FP8 experts as stored by default.
     """
     quantised = {**QUANTISED_ALIASES, **{name: name for name in BLOCK_FORMATS}}
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
-    if expert_dtype not in (None, "bfloat16", "float32", *quantised):
-        raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0), 'int4' (q4_0) or 'q4_k', "
-                         f"got {expert_dtype!r}")
+    part_dtypes = expert_dtype.split("/") if isinstance(expert_dtype, str) else [expert_dtype]
+    if len(part_dtypes) > 2 or any(d not in (None, "bfloat16", "float32", *quantised) for d in part_dtypes):
+        raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0), 'int4' (q4_0), "
+                         f"{', '.join(repr(f) for f in BLOCK_FORMATS if f not in ('q8_0', 'q4_0'))}, "
+                         f"or 'gate_up_dtype/down_dtype' of those (e.g. 'q4_k/q6_k'), got {expert_dtype!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model folder not found")
-    hf = read_config_json(model_dir)
+    hf, fp8_config = _fp8_config(read_config_json(model_dir), model_dir / "config.json")
     cfg = model_config(hf, model_dir / "config.json")
     fam = family(cfg.model_type)
     aliases = fam.KEY_ALIASES
@@ -320,8 +403,11 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             if ref.name in refs:
                 raise CheckpointError(f"{path}: tensor {ref.name} also appears in {refs[ref.name].file.name}")
             refs[ref.name] = ref
+    _pair_fp8_scales(refs, fp8_config, model_dir)
     canon = {name: canonical_name(name, aliases) for name in refs}
-    stored = {r.dtype for name, r in refs.items() if not KEPT_F32.fullmatch(canon[name])}
+    kept = [KEPT_F32, *getattr(fam, "KEPT_F32", [])]  # float32 tensors of bf16 checkpoints; integer tables
+    stored = {r.dtype for name, r in refs.items()
+              if r.dtype not in ("I64", "I32") and not any(p.fullmatch(canon[name]) for p in kept)}
     ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
     hits = {name: classify(c) for name, c in canon.items()}
 
@@ -332,6 +418,11 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         return wanted and all(refs[name].dtype == "BF16" for name in refs if of_kind(name))
 
     pool_dtype = "bfloat16" if keeps_bf16(expert_dtype, lambda name: ".experts." in canon[name]) else "float32"
+    expert_types = {r.dtype for name, r in refs.items() if ".experts." in canon[name]}
+    if expert_dtype is None and expert_types == {"F8_E4M3"}:
+        pool_dtype = "fp8_e4m3"  # FP8 experts as stored
+    if len(part_dtypes) == 2:  # one format per part
+        pool_dtype = pool_format(*(quantised.get(d, d) for d in part_dtypes))
     pool_dtype = quantised.get(expert_dtype, pool_dtype)
     packed = keeps_bf16(dense_dtype, lambda name: _packs(hits[name]))
 
@@ -341,7 +432,7 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         raise ConfigError(f"{model_dir / 'config.json'}: the model these values describe cannot be built "
                           f"({type(e).__name__}: {e})") from None
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
-    block = FORMATS[pool_dtype].block
+    block = max(f.block for f in part_formats(pool_dtype).values())
     misfits = [f"{name} ({n})" for name, n in (("hidden_size", D), ("the expert FFN width", F)) if n % block]
     if misfits and Lm:
         raise ConfigError(f"expert_dtype {expert_dtype!r} stores rows as blocks of {block} weights: "
@@ -409,8 +500,9 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             arr = _to_f32(ref)
             params[path] = np.ascontiguousarray(arr.T if hit[0][2] else arr)
         progress.update(ref.nbytes)
+    fmts = part_formats(pool_dtype)
     for ref, m, expert, part in expert_refs:
-        data = _expert_storage(ref, pool_dtype)
+        data = _expert_storage(ref, fmts["down" if part.startswith("down") else "gate_up"].name)
         if part == "gate":
             pool.gate_up[m, expert, :F] = data
         elif part == "up":

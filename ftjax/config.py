@@ -1,11 +1,12 @@
 """Model configuration: one frozen, hashable dataclass built from a Hugging Face config.json.
 
 Design: every family (qwen3_moe, qwen2_moe, mixtral, olmoe, the hybrids, glm4_moe,
-deepseek_v3, glm_moe_dsa) is the same decoder with a few switches (q/k norm kind, qkv bias, shared
+deepseek_v3, glm_moe_dsa; deepseek_v4 adds hyper-connections to it) is the same decoder with a few switches (q/k norm kind, qkv bias, shared
 expert, which layers are MoE, sliding windows, the router kind, the layer kinds).
 Sub-dataclasses hold what only some families have: `DeltaNetConfig` (linear
 attention), `MLAConfig` (multi-head latent attention), `DSAConfig` (the sparse-attention
-indexer of GLM-5), `RopeScaling` (YaRN). `ModelConfig` holds those switches as plain data so the model code never
+indexer of GLM-5), `DSV4Config` (DeepSeek-V4's compressed attention, hyper-connections and
+routing), `RopeScaling` (YaRN). `ModelConfig` holds those switches as plain data so the model code never
 branches on `model_type`; each family file only translates its HF config and tensor
 names into this form. Because the dataclass is frozen and hashable it can be closed
 over by jitted functions without retracing.
@@ -80,6 +81,34 @@ class DSAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSV4Config:
+    """What only DeepSeek-V4 has (`ftjax.models.deepseek_v4`, `ftjax.models.dsv4_attention`):
+    shared-KV attention with a query bottleneck, a grouped output projection and a sliding
+    window, plus compressed KV entries (every `csa_rate` / `hca_rate` tokens pooled into
+    one; the CSA ones filtered by a lightning indexer); hyper-connection residual streams;
+    per-layer hash or score-top-k routing and clamped SwiGLU experts."""
+
+    q_lora_rank: int  # Rq
+    o_groups: int  # g: head groups of the grouped output projection
+    o_lora_rank: int  # per-group width of the grouped output projection
+    sliding_window: int  # keys within this many positions (the query included)
+    csa_rate: int  # m: tokens per compressed entry in compressed_sparse_attention layers
+    hca_rate: int  # m': tokens per compressed entry in heavily_compressed_attention layers
+    rope_dim: int  # dr: trailing dims of each head that carry (interleaved) RoPE
+    compress_rope_theta: float  # RoPE base of compressed layers (the sliding layers use rope_theta)
+    compress_rope_scaling: RopeScaling | None  # YaRN of the compressed layers' RoPE (None: plain)
+    hc_mult: int  # residual streams of the hyper-connections
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int  # Hi
+    index_head_dim: int  # di
+    index_topk: int  # compressed entries kept per query in CSA layers
+    scoring_func: str  # router scores: "sqrtsoftplus" | "sigmoid"
+    swiglu_limit: float | None  # clamp of SwiGLU pre-activations (None: none)
+    hash_layers: tuple[bool, ...]  # per layer: routed by the token-id table (hash_moe)
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """YaRN rotary scaling, the parameters transformers' `_compute_yarn_parameters` reads:
     frequencies interpolated by `factor` below the correction range [beta_slow, beta_fast]
@@ -129,12 +158,14 @@ class ModelConfig:
     rotary_dim: int = 0  # leading dims of each head RoPE rotates (partial rotary); 0 = head_dim
     deltanet: DeltaNetConfig | None = None  # linear-attention sizes of gated_deltanet layers
     router: str = "softmax"  # "softmax" (softmax, top-k) | "sigmoid_group" (DeepSeek-V3: biased, group-limited)
+    # | "deepseek_v4" (per layer: a token-id hash table or biased top-k of sqrtsoftplus / sigmoid scores)
     n_group: int = 1  # sigmoid_group: experts form n_group equal groups ...
     topk_group: int = 1  # ... of which the topk_group best (sum of each group's top-2 biased scores) are eligible
     routed_scaling_factor: float = 1.0  # sigmoid_group: routed weights are multiplied by this
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
     mla: MLAConfig | None = None  # latent-attention sizes of mla layers
     dsa: DSAConfig | None = None  # sparse-attention indexer sizes of mla_dsa layers
+    dsv4: DSV4Config | None = None  # DeepSeek-V4's attention / hyper-connection / routing fields
 
     # ---- derived sizes ------------------------------------------------------------
     @property
@@ -151,8 +182,13 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     def layer_kind(self, layer: int) -> str:
-        """Name of layer `layer`'s token-mixing kind (see `ftjax.models.layers`)."""
-        return self.layer_kinds[layer] if self.layer_kinds else "attention"
+        """Name of layer `layer`'s token-mixing kind (see `ftjax.models.layers`). An
+        `attention` layer whose sliding window is shorter than the context keeps only
+        its window (`sliding_attention`)."""
+        kind = self.layer_kinds[layer] if self.layer_kinds else "attention"
+        if kind == "attention" and 0 < self.sliding_windows[layer] < self.max_position:
+            return "sliding_attention"
+        return kind
 
     def moe_index(self, layer: int) -> int:
         """Position of decoder layer `layer` among the MoE layers."""
@@ -302,6 +338,7 @@ def validate(cfg: ModelConfig) -> ModelConfig:
         if not (math.isfinite(cfg.mla.softmax_scale) and cfg.mla.softmax_scale >= 0):
             bad("softmax_scale", "must be finite and non-negative", cfg.mla)
     check_dsa(cfg, bad, sizes)
+    check_dsv4(cfg, bad, sizes)
     dn = cfg.deltanet
     if "gated_deltanet" in cfg.layer_kinds and dn is None:
         bad("deltanet", "(linear_* sizes) must be given when a layer is linear_attention")
@@ -327,7 +364,25 @@ def check_dsa(cfg: ModelConfig, bad, sizes) -> None:
         bad("index_head_dim", f"must be at least qk_rope_head_dim ({cfg.mla.qk_rope_head_dim})", cfg.dsa)
 
 
-ROUTERS = ("softmax", "sigmoid_group")
+def check_dsv4(cfg: ModelConfig, bad, sizes) -> None:
+    """DeepSeek-V4 layer kinds need their fields; the sizes must divide as the layers use them."""
+    if any(k.startswith("dsv4_") for k in cfg.layer_kinds) and cfg.dsv4 is None:
+        bad("dsv4", "(DeepSeek-V4 attention fields) must be given when a layer is a dsv4_* kind")
+    v = cfg.dsv4
+    if v is None:
+        return
+    sizes(v, ("q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_rate", "hca_rate", "rope_dim",
+              "hc_mult", "hc_sinkhorn_iters", "index_n_heads", "index_head_dim", "index_topk"), "deepseek_v4 ")
+    if (cfg.num_heads * cfg.head_dim) % v.o_groups:
+        bad("o_groups", f"must divide num_attention_heads x head_dim ({cfg.num_heads * cfg.head_dim})", v)
+    if v.rope_dim % 2 or v.rope_dim > min(cfg.head_dim, v.index_head_dim):
+        bad("rope_dim", f"(head_dim x partial_rotary_factor) must be even and at most head_dim ({cfg.head_dim}) "
+                        f"and index_head_dim ({v.index_head_dim})", v)
+    if len(v.hash_layers) != cfg.num_layers:
+        bad("hash_layers", f"must have one entry per layer ({cfg.num_layers})", v)
+
+
+ROUTERS = ("softmax", "sigmoid_group", "deepseek_v4")
 
 
 def check_router(cfg: ModelConfig, bad) -> None:

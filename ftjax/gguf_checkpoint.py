@@ -47,12 +47,19 @@ Design
   llama.cpp's MoE archs do not load them.
 - Experts (ffn_gate_exps / ffn_up_exps [E, F, D], ffn_down_exps [E, D, F], or the fused
   ffn_gate_up_exps [E, 2F, D]) go into the `HostExpertPool` as stored: Q8_0 / Q4_0 /
-  Q4_K bytes are copied into a pool of that block format (no float expansion: ftjax's
-  q8_0 / q4_0 / q4_k *are* GGUF's blocks), BF16 into a bfloat16 pool, F32 / F16 into a
-  float32 pool. Every expert tensor must have one type; a mix (llama.cpp's Q4_K_M puts
-  Q6_K in some ffn_down_exps) or another type (Q6_K, Q5_K, ...) is a CheckpointError
-  naming the tensor, its type and the llama-quantize command that makes a usable file.
-  `expert_dtype=` must name the stored format, if given.
+  Q4_K / Q6_K / MXFP4 bytes are copied into a pool of that block format (no float
+  expansion: ftjax's q8_0 / q4_0 / q4_k / q6_k / mxfp4 *are* GGUF's blocks), BF16 into a
+  bfloat16 pool, F32 / F16 into a float32 pool. The pool keeps one format per expert part:
+  gate / up (or gate_up) in one, down in another, so a Q4_K_M file whose experts are Q4_K
+  gate / up and Q6_K down loads as a 'q4_k/q6_k' pool. Within a part the layers may mix
+  Q4_K and Q6_K, as llama.cpp's Q4_K_M does to ffn_down_exps (Q6_K on the first and last
+  eighth of the layers and every third between, `use_more_bits`): neither format holds the
+  other's blocks (Q4_K's per-sub-block min is off Q6_K's grid; only float32 holds both
+  exactly, at 4 bytes a weight), so that part is stored as `q4_k_or_q6_k`, each block as
+  stored behind a tag byte (212 bytes per 256 weights: a Q4_K layer pays Q6_K's width).
+  Any other mix within a part, or another type (Q5_K, IQ*, ...), is a CheckpointError
+  naming the tensors, their types and the llama-quantize command that makes a usable file
+  (`--pure`). `expert_dtype=` must name the stored format, if given.
 - Dense tensors (embedding, attention, norms, router, shared expert, LM head) of any
   type `gguf.quants.dequantize` knows become float32 params ([in, out] where the folder
   loader transposes); when every dense matrix is BF16 and dense_dtype allows (default
@@ -89,7 +96,8 @@ from ftjax.checkpoint import Checkpoint, CheckpointError, classify, expected_par
     load_checkpoint, model_config
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES, canonical_dtype
+from ftjax.experts.storage import (BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES, canonical_dtype, part_formats,
+                                   pool_format, tagged_k_blocks)
 
 # llama.cpp architecture -> ftjax model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -113,9 +121,10 @@ EXPERT_PARTS: dict[T, str] = {T.FFN_GATE_EXP: "gate", T.FFN_UP_EXP: "up", T.FFN_
 DENSE_MLP = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)  # mlp_only layers: not in llama.cpp's MoE arch lists
 
 # GGUF expert type -> pool format (experts are kept as stored)
-EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "BF16": "bfloat16", "F32": "float32",
-                  "F16": "float32"}
+EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4",
+                  "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
 WRITE_DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+TAGGED_K = ("q4_k", "q6_k")  # a part whose layers mix these is stored as storage's q4_k_or_q6_k
 
 # tokenizer.ggml.pre -> the Split regex before ByteLevel (None: ByteLevel's own GPT-2 regex)
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -290,7 +299,10 @@ def dense_f32(t, path: Path) -> np.ndarray:
 
 
 def expert_storage(t, pool_dtype: str) -> np.ndarray:
-    """An expert tensor in the pool's storage, as stored: block bytes, bf16 bits or float32."""
+    """An expert tensor in the pool's storage, as stored: block bytes (q4_k_or_q6_k: each
+    Q4_K / Q6_K block behind its tag), bf16 bits or float32."""
+    if pool_dtype == "q4_k_or_q6_k":
+        return tagged_k_blocks(t.data, EXPERT_FORMATS[t.tensor_type.name])
     if pool_dtype in BLOCK_FORMATS:
         return t.data  # uint8 [E, rows, bytes(row)]: GGUF's blocks are the pool's
     if pool_dtype == "bfloat16":
@@ -298,34 +310,45 @@ def expert_storage(t, pool_dtype: str) -> np.ndarray:
     return np.asarray(t.data, np.float32)
 
 
-def expert_format(path: Path, expert_tensors: list) -> str:
-    """The one pool format of every expert tensor, or a CheckpointError saying how to get it."""
-    fix = ("re-quantise with `llama-quantize --pure IN.gguf OUT.gguf Q4_K` (or Q8_0, Q4_0), which gives every "
+def expert_format(path: Path, expert_refs: list) -> str:
+    """The pool format of the expert tensors [(tensor, moe layer, part)]: one format per part
+    (gate / up / gate_up, and down; `storage.pool_format`: 'q4_k/q6_k' when they differ),
+    or a CheckpointError naming the tensor and saying how to get a file ftjax reads."""
+    fix = ("re-quantise with `llama-quantize --pure IN.gguf OUT.gguf Q4_K` (or Q8_0, Q4_0, Q6_K), which gives every "
            "tensor one type")
-    for t in expert_tensors:
+    for t, _, _ in expert_refs:
         if t.tensor_type.name not in EXPERT_FORMATS:
             raise CheckpointError(f"{path}: {t.name} is {t.tensor_type.name}: ftjax keeps GGUF experts as stored, "
                                   f"as {', '.join(EXPERT_FORMATS)}; {fix}")
-    formats: dict[str, Any] = {}  # pool format -> the first tensor of it
-    for t in expert_tensors:
-        formats.setdefault(EXPERT_FORMATS[t.tensor_type.name], t)
-    if len(formats) > 1:
-        a, b = list(formats.values())[:2]
-        raise CheckpointError(f"{path}: {a.name} is {a.tensor_type.name} but {b.name} is {b.tensor_type.name}: "
-                              f"ftjax's expert pool has one format; {fix}")
-    return next(iter(formats), "float32")
+    first: dict[str, dict[str, Any]] = {"gate_up": {}, "down": {}}  # part -> pool format -> its first tensor
+    for t, _, part in expert_refs:
+        first["down" if part == "down" else "gate_up"].setdefault(EXPERT_FORMATS[t.tensor_type.name], t)
+    names: dict[str, str | None] = {}
+    for part, formats in first.items():
+        if set(formats) == set(TAGGED_K):  # layers mix Q4_K and Q6_K (llama.cpp's Q4_K_M ffn_down_exps)
+            names[part] = "q4_k_or_q6_k"
+        elif len(formats) > 1:
+            a, b = list(formats.values())[:2]
+            raise CheckpointError(
+                f"{path}: {a.name} is {a.tensor_type.name} but {b.name} is {b.tensor_type.name}: ftjax stores each "
+                f"expert part (gate/up, down) of every layer in one format (the two parts may differ; layers of "
+                f"Q4_K and Q6_K share a tagged one) and re-encodes nothing; {fix}")
+        else:
+            names[part] = next(iter(formats), None)
+    return pool_format(names["gate_up"] or names["down"] or "float32", names["down"] or names["gate_up"] or "float32")
 
 
 def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: str | None = None) -> GGUFCheckpoint:
     """Read and check a GGUF checkpoint (see the module docstring).
 
     expert_dtype: None, or the format the experts are stored in ("int8" / "q8_0" for Q8_0,
-    "int4" / "q4_0", "q4_k", "bfloat16", "float32" for F32 / F16): GGUF experts are never
-    converted.
+    "int4" / "q4_0", "q4_k", "q6_k", "mxfp4", "bfloat16", "float32" for F32 / F16; "q4_k/q6_k"
+    for Q4_K gate / up and Q6_K down): GGUF experts are never converted.
     dense_dtype: None / "bfloat16" (keep BF16 matrices as bf16 bits) or "float32"."""
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
-    wanted = canonical_dtype(QUANTISED_ALIASES.get(expert_dtype, expert_dtype)) if expert_dtype is not None else None
+    wanted = (canonical_dtype("/".join(QUANTISED_ALIASES.get(n, n) for n in expert_dtype.split("/")))
+              if expert_dtype is not None else None)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: GGUF file not found")
@@ -357,7 +380,7 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
         raise ConfigError(f"{path}: the model its metadata describes cannot be built ({type(e).__name__}: {e})") from None
     param_refs, expert_refs = plan(path, cfg, shapes, tensors, names)
 
-    pool_dtype = expert_format(path, [t for t, _, _ in expert_refs])
+    pool_dtype = expert_format(path, expert_refs)
     if wanted is not None and wanted != pool_dtype:
         raise CheckpointError(f"{path}: expert_dtype {expert_dtype!r} does not match the experts stored in the file "
                               f"({pool_dtype}); GGUF experts are used as stored, leave expert_dtype unset")
@@ -369,8 +392,9 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
 
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
     pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
+    fmts = part_formats(pool_dtype)
     for t, m, part in expert_refs:
-        data = expert_storage(t, pool_dtype)
+        data = expert_storage(t, fmts["down" if part == "down" else "gate_up"].name)
         if part == "gate":
             pool.gate_up[m, :, :F] = data
         elif part == "up":
@@ -535,8 +559,9 @@ def gguf_name(hf: str) -> str:
 
 def add_tensor(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype: str) -> None:
     """float32 [..., n] (numpy order, HF layout) -> tensor `name` of type qtype: a block type
-    quantised by its pool format's quantiser (gguf's for Q8_0 / Q4_0; Q4_K, which the gguf
-    package cannot quantise, by `storage.quantise_q4_k`), any other type by gguf's."""
+    quantised by its pool format's quantiser (gguf's for Q8_0 / Q4_0 / MXFP4; Q4_K and Q6_K,
+    which the gguf package cannot quantise, by `storage.quantise_q4_k` / `quantise_q6_k`), any
+    other type by gguf's."""
     q = QType[qtype]
     a = np.ascontiguousarray(a, np.float32)
     fmt = EXPERT_FORMATS.get(qtype)
@@ -545,19 +570,23 @@ def add_tensor(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype: str) -> None
 
 
 def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_0",
-               dense_type: str | None = None) -> Path:
+               dense_type: str | None = None, down_type: str | None = None) -> Path:
     """Write an HF checkpoint folder of a supported family as a GGUF with llama.cpp's
     metadata keys and tensor names, and its tokenizer when the folder has tokenizer.json.
 
-    expert_type: Q8_0 | Q4_0 | Q4_K | BF16 | F16 | F32 (the pool formats' quantisers, so the
-    block types equal ftjax's int8 / int4 / q4_k pools of the same weights byte for byte);
+    expert_type: Q8_0 | Q4_0 | Q4_K | Q6_K | MXFP4 | BF16 | F16 | F32 (the pool formats'
+    quantisers, so the block types equal ftjax's int8 / int4 / q4_k / q6_k / mxfp4 pools of
+    the same weights byte for byte); down_type: the type of ffn_down_exps (default:
+    expert_type; Q4_K with down_type Q6_K is the expert part of llama.cpp's Q4_K_M);
     dense_type: the type of the dense matrices (F32 | F16 | BF16 | Q8_0; default BF16 for a
     bf16 folder, else F32); 1-D tensors (norms, biases) are always F32, as llama.cpp writes
     them. The whole model is held in memory while writing (meant for tests and benchmarks)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     expert_type = expert_type.upper()
-    if expert_type not in EXPERT_FORMATS:
-        raise ValueError(f"expert_type must be one of {', '.join(EXPERT_FORMATS)}, got {expert_type!r}")
+    down_type = (down_type or expert_type).upper()
+    for what, qtype in (("expert_type", expert_type), ("down_type", down_type)):
+        if qtype not in EXPERT_FORMATS:
+            raise ValueError(f"{what} must be one of {', '.join(EXPERT_FORMATS)}, got {qtype!r}")
     ckpt = load_checkpoint(hf_dir, expert_dtype="float32", dense_dtype="float32")
     cfg = ckpt.config
     dense_type = (dense_type or ("BF16" if ckpt.dtype == "bfloat16" else "F32")).upper()
@@ -575,7 +604,7 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_
         tokenizer = Tokenizer.from_dir(hf_dir)
 
     w = gguf.GGUFWriter(out_path, arch)
-    write_metadata(w, cfg, arch, hf_dir.name, expert_type)
+    write_metadata(w, cfg, arch, hf_dir.name, expert_type, down_type)
     if tokenizer is not None:
         write_tokenizer(w, tokenizer, cfg, arch, hf_dir)
     for p, arr in sorted(ckpt.params.items()):
@@ -586,7 +615,8 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_
     for m, bid in enumerate(cfg.moe_layer_ids):
         gate_up, down = ckpt.pool.gate_up[m], ckpt.pool.down[m]  # [E, 2F, D], [E, D, F] float32
         for t, a in ((T.FFN_GATE_EXP, gate_up[:, :F]), (T.FFN_UP_EXP, gate_up[:, F:]), (T.FFN_DOWN_EXP, down)):
-            add_tensor(w, gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight", a, expert_type)
+            add_tensor(w, gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight", a,
+                       down_type if t == T.FFN_DOWN_EXP else expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -594,10 +624,12 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, expert_type: str = "Q8_
     return out_path
 
 
-def write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: str, name: str, expert_type: str) -> None:
+def write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: str, name: str, expert_type: str,
+                   down_type: str | None = None) -> None:
     """The hyperparameters under llama.cpp's keys (the inverse of `hf_config`)."""
     file_types = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                  "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+                  "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S, "Q4_K/Q6_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                  "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
                   "BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16,
                   "F32": gguf.LlamaFileType.ALL_F32}
     w.add_name(name)
@@ -623,7 +655,9 @@ def write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: str, name: str, e
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_d_ff)
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
-    w.add_file_type(file_types[expert_type])
+    key = expert_type if down_type in (None, expert_type) else f"{expert_type}/{down_type}"
+    if key in file_types:  # a mix llama.cpp names no file type for is written without one
+        w.add_file_type(file_types[key])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

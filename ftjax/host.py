@@ -35,6 +35,7 @@ import functools
 import os
 import statistics
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,13 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, act_q8_numpy, as_f32, bf16_bits_to_f32
+from ftjax.experts.storage import act_q8, act_q8_numpy, as_f32, bf16_bits_to_f32, part_formats
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
-                     "q8_0": _hk.DTYPE_Q8_0, "q4_0": _hk.DTYPE_Q4_0, "q4_k": _hk.DTYPE_Q4_K}
+                     "q8_0": _hk.DTYPE_Q8_0, "q4_0": _hk.DTYPE_Q4_0, "q4_k": _hk.DTYPE_Q4_K,
+                     "q6_k": _hk.DTYPE_Q6_K, "mxfp4": _hk.DTYPE_MXFP4, "fp8_e4m3": _hk.DTYPE_FP8_E4M3,
+                     "q4_k_or_q6_k": _hk.DTYPE_Q4_K_OR_Q6_K}
 
 FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
@@ -120,10 +123,10 @@ def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(WRITE_ROWS_FFI_TARGET, _hk.ffi_write_rows(), platform="cpu")
 
 
-@functools.cache
 def shared_threads(num_threads: int) -> _hk.ThreadPool:
-    """The process's worker pool of `num_threads` threads (created once, never freed)."""
-    return _hk.ThreadPool(num_threads)
+    """The process's worker pool of `num_threads` threads (created once, never freed): the
+    one the FFI handlers use for a `threads=num_threads` attribute."""
+    return _hk.shared_thread_pool(num_threads)
 
 
 def linear(x: jax.Array, w: jax.Array, *, boundary: Boundary | str | None = None,
@@ -137,7 +140,7 @@ def linear(x: jax.Array, w: jax.Array, *, boundary: Boundary | str | None = None
     if boundary is Boundary.FFI_CPU:
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
-        y = call(x2, w, pool_ptr=np.int64(shared_threads(dense_threads()).address), isa=np.int32(isa.value))
+        y = call(x2, w, threads=np.int64(dense_threads()), isa=np.int32(isa.value))
     else:
         y = x2 @ as_f32(w).T
     return y.reshape(*lead, N)
@@ -164,7 +167,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
     _register_ffi_targets()
     call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
-                window=np.int64(window), pool_ptr=np.int64(shared_threads(dense_threads()).address),
+                window=np.int64(window), threads=np.int64(dense_threads()),
                 isa=np.int32(isa.value))
 
 
@@ -214,15 +217,25 @@ class HostExecutor:
     """Runs expert FFNs on the CPU, reading weights in place from a frozen pool."""
 
     def __init__(self, pool: HostExpertPool, threads: int | None = None,
-                 isa: Isa | str = Isa.AUTO):
+                 isa: Isa | str = Isa.AUTO, swiglu_limit: float | None = None):
+        """swiglu_limit: clamped SwiGLU experts (DeepSeek-V4: gate <= limit, |up| <= limit);
+        None: plain SwiGLU."""
         if not pool.frozen:
             raise ValueError("freeze() the pool first: the kernels hold raw pointers into it")
         self.pool = pool
+        self.swiglu_limit = swiglu_limit
+        self._limit = np.float32(np.inf if swiglu_limit is None else swiglu_limit)
         self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
         self._threads = shared_threads(threads or default_threads())
         # {calls, nanoseconds in the kernel, distinct experts read}: the handler adds to it
         # at the end of every call (the callback path likewise); `work_done` reads it.
         self._work = np.zeros(3, np.int64)
+        # The FFI handler finds the pool (and _work) by this id: programs hold no address,
+        # so equal models compile to equal programs (the persistent compile cache serves
+        # them). Unregistered when this executor is freed; its arrays live as long.
+        self._pool_id = _hk.register_expert_pool(pool.gate_up.ctypes.data, pool.down.ctypes.data,
+                                                 self._work.ctypes.data)
+        weakref.finalize(self, _hk.unregister_expert_pool, self._pool_id)
 
     def work_done(self) -> tuple[int, float, int]:
         """(calls, seconds, experts) of host expert work since this executor was made: what
@@ -251,21 +264,22 @@ class HostExecutor:
         """Same computation, called directly from numpy (no jit); releases the GIL."""
         x = np.ascontiguousarray(x, np.float32)  # [T, D]
         y = np.empty_like(x) if out is None else out  # [T, D]
-        block = FORMATS[self.pool.dtype].block > 1
+        codes = {part: WEIGHT_TYPE_CODES[f.name] if f.block > 1 else -1
+                 for part, f in part_formats(self.pool.dtype).items()}
         _hk.expert_ffn(self.pool.gate_up, self.pool.down, int(layer), x,
                        np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32),
-                       y, self._threads, self.isa.value, WEIGHT_TYPE_CODES[self.pool.dtype] if block else -1)
+                       y, self._threads, self.isa.value, codes["gate_up"], codes["down"], float(self._limit))
         return y
 
     def _ffi_attributes(self) -> dict:
         p = self.pool
         return dict(
-            gate_up_ptr=np.int64(p.gate_up.ctypes.data), down_ptr=np.int64(p.down.ctypes.data),
+            pool_id=np.int32(self._pool_id),
             num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
             d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
-            dtype=np.int32(WEIGHT_TYPE_CODES[p.dtype]),
-            pool_ptr=np.int64(self._threads.address), isa=np.int32(self.isa.value),
-            stats_ptr=np.int64(self._work.ctypes.data))
+            dtype=np.int32(WEIGHT_TYPE_CODES[part_formats(p.dtype)["gate_up"].name]),
+            down_dtype=np.int32(WEIGHT_TYPE_CODES[part_formats(p.dtype)["down"].name]),
+            swiglu_limit=self._limit, threads=np.int64(self._threads.num_threads), isa=np.int32(self.isa.value))
 
     def _ffi_call(self, x, layer, ids, weights):
         _register_ffi_targets()
@@ -341,25 +355,29 @@ def _weights_f64(a: np.ndarray) -> np.ndarray:
 
 
 def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: np.ndarray,
-                         ids: np.ndarray, weights: np.ndarray, dtype: str | None = None) -> np.ndarray:
+                         ids: np.ndarray, weights: np.ndarray, dtype: str | None = None,
+                         swiglu_limit: float | None = None) -> np.ndarray:
     """numpy (float64) reference of the kernel: gate_up [Lm, E, 2F, D], down
     [Lm, E, D, F] (float32 or bf16 bits; or a block format's uint8 rows, named by
-    `dtype`, dequantised by the gguf package), x [T, D], ids / weights [T, K] -> y [T, D]."""
-    blocks = dtype is not None and FORMATS[dtype].block > 1
+    `dtype` (a pool format name: 'q4_k/q6_k' for two part formats), dequantised by the
+    format's numpy twin: the gguf package's for the GGUF types), x [T, D], ids / weights [T, K] -> y [T, D]."""
+    fmts = part_formats(dtype) if dtype is not None else None
 
-    def f64(a):
-        return FORMATS[dtype].to_f32_numpy(a).astype(np.float64) if dtype else _weights_f64(a)
+    def f64(a, part):
+        return fmts[part].to_f32_numpy(a).astype(np.float64) if fmts else _weights_f64(a)
 
-    def act(v):  # block formats meet int8-quantised activations (storage.quantise_activations)
-        return act_q8_numpy(v).astype(np.float64) if blocks else v
+    def act(v, part):  # ActQ8 formats meet int8-quantised activations (storage.quantise_activations)
+        return act_q8_numpy(v).astype(np.float64) if fmts and fmts[part].act is act_q8 else v
 
     d_ff = gate_up.shape[-2] // 2
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):
         e = ids[t, k]
-        gu = f64(gate_up[layer, e]) @ act(x[t])  # [2F]
+        gu = f64(gate_up[layer, e], "gate_up") @ act(x[t], "gate_up")  # [2F]
         gate, up = gu[:d_ff], gu[d_ff:]
+        if swiglu_limit is not None:  # clamped SwiGLU
+            gate, up = np.minimum(gate, swiglu_limit), np.clip(up, -swiglu_limit, swiglu_limit)
         h = gate / (1.0 + np.exp(-gate)) * up  # [F]
-        y[t] += weights[t, k] * (f64(down[layer, e]) @ act(h))
+        y[t] += weights[t, k] * (f64(down[layer, e], "down") @ act(h, "down"))
     return y.astype(np.float32)

@@ -36,7 +36,8 @@ from ftjax.experts.calibration import Calibration
 from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
 from ftjax.experts.policy import get_policy, transfer_ratio
 from ftjax.host import default_threads, memory_kind_of, pool_view, sharding
-from ftjax.models.common import CausalLM, init_state
+from ftjax.models import FAMILIES
+from ftjax.models.common import causal_lm, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
@@ -309,6 +310,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     else:
         ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
     cfg = ckpt.config
+    fam = FAMILIES.get(cfg.model_type)  # its optional hooks (None: a GGUF's own config)
+    streamable = getattr(fam, "streamed_prefill", lambda cfg: True)(cfg)  # one layer per program possible
+    if prefill == "streamed" and not streamable:
+        raise ValueError(f"prefill='streamed' is not available for {cfg.model_type} (its decoder layers need more "
+                         "than one layer's program can be given); use 'cached' or 'auto'")
     pol = get_policy(policy)
     pool = ckpt.pool
 
@@ -325,16 +331,18 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         ratio = transfer_ratio(*bandwidth)
 
     host_fn = host = calibration = None
+    expert_options = fam.executor_options(cfg) if hasattr(fam, "executor_options") else {}  # e.g. a SwiGLU clamp
     if pol.name != "device":
         from ftjax.host import HostExecutor
-        host = HostExecutor(pool, threads=threads)
+        host = HostExecutor(pool, threads=threads, swiglu_limit=expert_options.get("swiglu_limit"))
         host_fn = host.expert_ffn
         if pol.split == "adaptive" and calibrate:
             calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
-                             transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype)
+                             transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype,
+                             **expert_options)
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, packed=ckpt.packed)))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: causal_lm(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
     ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
     tokenizer = getattr(ckpt, "tokenizer", None)  # a GGUF carries its own
@@ -345,7 +353,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         raise ValueError(f"max_seq_len must be in 2..{cfg.max_position} (the model's context, "
                          f"max_position_embeddings), got {max_seq_len!r}")
     max_len = max_seq_len or cfg.max_position
-    streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads) if pol.name != "device" else None
+    streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads) \
+        if pol.name != "device" and streamable else None
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     model = Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                   bandwidth=bandwidth, _graphdef=graphdef, _params=params,

@@ -79,33 +79,36 @@ struct Call {
   const PoolView& pool;
   const TokenBatch& batch;
   const Routing& routing;
-  const DotTable& dots;
-  int64_t layout_block;   // layout of x_in and h, as `dots` expects (even_odd_pos)
+  const DotTable& gate_up_dots;
+  const DotTable& down_dots;
+  int64_t h_layout;       // layout of h, as `down_dots` expects (even_odd_pos)
   int64_t layer;
-  const float* x_in;       // [T, D] batch.x in the layout, 64-byte aligned (block types:
-                           // each row D / 32 ActQ8 blocks, rows D floats apart)
-  const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in the layout
-  const float* h_in;       // what phase 2 reads: h, or (block types) h's rows as ActQ8
+  const float* x_in;       // [T, D] batch.x in gate_up's layout, 64-byte aligned (ActQ8
+                           // types: each row D / 32 ActQ8 blocks, rows D floats apart)
+  const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in h_layout
+  const float* h_in;       // what phase 2 reads: h, or (ActQ8 types) h's rows as ActQ8
 };
 
-const char* expert_base(const void* base, const Call& c, int64_t e, int64_t rows,
+const char* expert_base(const void* base, WeightType wtype, const Call& c, int64_t e, int64_t rows,
                         int64_t cols) {
   const int64_t index = (c.layer * c.pool.num_experts + e) * rows;
-  return static_cast<const char*>(base) + index * row_bytes(c.pool.wtype, cols);
+  return static_cast<const char*>(base) + index * row_bytes(wtype, cols);
 }
 
 struct GateUpTask {
   int64_t u, f0, f1;  // unique expert index, rows [f0, f1) of gate (and of up)
 };
 
-// h[p, f] = silu(gate_f . x_t) * (up_f . x_t) for pairs p of expert u, f in [f0, f1).
+// h[p, f] = silu(gate_f . x_t) * (up_f . x_t) for pairs p of expert u, f in [f0, f1)
+// (gate and up clamped to the pool's swiglu_limit first: a no-op at infinity).
 void gate_up_task(const Call& c, const GateUpTask& task) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
   const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, D);
-  const char* gate = expert_base(c.pool.gate_up, c, c.routing.experts[task.u], 2 * F, D);
+  const char* gate = expert_base(c.pool.gate_up, c.pool.wtype, c, c.routing.experts[task.u], 2 * F, D);
   const char* up = gate + F * row_bytes;
   const int64_t p_begin = c.routing.begin[task.u], p_end = c.routing.begin[task.u + 1];
   const int64_t tile = vec_tile(D);
+  const float limit = c.pool.swiglu_limit;
   float a[kSubRows * kMaxTile], b[kSubRows * kMaxTile];  // [rows, tokens]
   const float* vecs[kMaxTile];
   for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
@@ -113,12 +116,12 @@ void gate_up_task(const Call& c, const GateUpTask& task) {
     for (int64_t j = 0; j < nt; ++j) vecs[j] = c.x_in + c.routing.token[p0 + j] * D;
     for (int64_t f0 = task.f0; f0 < task.f1; f0 += kSubRows) {
       const int64_t nf = std::min(kSubRows, task.f1 - f0);
-      block_dots(c.dots, gate + f0 * row_bytes, row_bytes, nf, vecs, nt, D, a);
-      block_dots(c.dots, up + f0 * row_bytes, row_bytes, nf, vecs, nt, D, b);
+      block_dots(c.gate_up_dots, gate + f0 * row_bytes, row_bytes, nf, vecs, nt, D, a);
+      block_dots(c.gate_up_dots, up + f0 * row_bytes, row_bytes, nf, vecs, nt, D, b);
       for (int64_t f = 0; f < nf; ++f) {
-        const int64_t pos = even_odd_pos(f0 + f, F, c.layout_block);
+        const int64_t pos = even_odd_pos(f0 + f, F, c.h_layout);
         for (int64_t j = 0; j < nt; ++j)
-          c.h[(p0 + j) * F + pos] = silu(a[f * nt + j]) * b[f * nt + j];
+          c.h[(p0 + j) * F + pos] = silu(std::min(a[f * nt + j], limit)) * std::clamp(b[f * nt + j], -limit, limit);
       }
     }
   }
@@ -127,7 +130,7 @@ void gate_up_task(const Call& c, const GateUpTask& task) {
 // y[:, d0:d1] = sum over experts u (ascending) of w_p * down_u[d0:d1] . h[p].
 void down_task(const Call& c, int64_t d0, int64_t d1) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
-  const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, F);
+  const int64_t row_bytes = ftjax::row_bytes(c.pool.down_wtype, F);
   float* y = c.batch.y;
   for (int64_t t = 0; t < c.batch.num_tokens; ++t)
     std::fill(y + t * D + d0, y + t * D + d1, 0.f);
@@ -135,14 +138,14 @@ void down_task(const Call& c, int64_t d0, int64_t d1) {
   float out[kSubRows * kMaxTile];  // [rows, tokens]
   const float* vecs[kMaxTile];
   for (size_t u = 0; u < c.routing.experts.size(); ++u) {
-    const char* down = expert_base(c.pool.down, c, c.routing.experts[u], D, F);
+    const char* down = expert_base(c.pool.down, c.pool.down_wtype, c, c.routing.experts[u], D, F);
     const int64_t p_begin = c.routing.begin[u], p_end = c.routing.begin[u + 1];
     for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
       const int64_t nt = std::min(p_end - p0, tile);
       for (int64_t j = 0; j < nt; ++j) vecs[j] = c.h_in + (p0 + j) * F;
       for (int64_t r0 = d0; r0 < d1; r0 += kSubRows) {
         const int64_t nr = std::min(kSubRows, d1 - r0);
-        block_dots(c.dots, down + r0 * row_bytes, row_bytes, nr, vecs, nt, F, out);
+        block_dots(c.down_dots, down + r0 * row_bytes, row_bytes, nr, vecs, nt, F, out);
         for (int64_t j = 0; j < nt; ++j) {
           float* y_t = y + c.routing.token[p0 + j] * D + r0;
           const float w = c.routing.weight[p0 + j];
@@ -167,7 +170,7 @@ std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
 
 // Phase-2 tasks: blocks of D rows, each over all experts (disjoint outputs).
 int64_t plan_down_rows(const PoolView& pool, int num_threads) {
-  return task_rows(row_bytes(pool.wtype, pool.d_ff), kDownTaskBytes, pool.d_model,
+  return task_rows(row_bytes(pool.down_wtype, pool.d_ff), kDownTaskBytes, pool.d_model,
                    num_threads);
 }
 
@@ -180,31 +183,32 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
            std::to_string(pool.num_layers) + ")";
   const Kernels* kernels = select_kernels(isa);
   if (kernels == nullptr) return "requested ISA is not available on this CPU";
-  const int64_t block_len = block_weights(pool.wtype);
-  if (pool.d_model % block_len || pool.d_ff % block_len)
-    return "block-quantised experts need d_model and d_ff divisible by " + std::to_string(block_len);
+  if (pool.d_model % block_weights(pool.wtype) || pool.d_ff % block_weights(pool.down_wtype))
+    return "block-quantised experts need d_model divisible by " + std::to_string(block_weights(pool.wtype)) +
+           " and d_ff by " + std::to_string(block_weights(pool.down_wtype));
   Routing routing;
   std::string err = group_by_expert(batch, pool.num_experts, &routing);
   if (!err.empty()) return err;
   if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
-  const bool blocks = is_block_type(pool.wtype);
+  const bool x_q8 = uses_act_q8(pool.wtype), h_q8 = uses_act_q8(pool.down_wtype);
   const int64_t num_pairs = routing.token.size();
   AlignedFloats h(num_pairs * pool.d_ff);
-  AlignedFloats h_q(blocks ? num_pairs * pool.d_ff : 0);
+  AlignedFloats h_q(h_q8 ? num_pairs * pool.d_ff : 0);
   AlignedFloats x_in(batch.num_tokens * pool.d_model);
-  const int64_t block = kernels->layout_block(pool.wtype);
-  for (int64_t t = 0; t < batch.num_tokens && blocks; ++t)
+  for (int64_t t = 0; t < batch.num_tokens && x_q8; ++t)
     quantise_act_q8(batch.x + t * pool.d_model, pool.d_model,
                     reinterpret_cast<ActQ8*>(x_in.data() + t * pool.d_model));
-  if (!blocks) to_layout(batch.x, batch.num_tokens, pool.d_model, block, x_in.data());
-  Call call{pool, batch, routing, kernels->dots(pool.wtype), block, layer, x_in.data(), h,
-            blocks ? h_q.data() : h.data()};
+  if (!x_q8)
+    to_layout(batch.x, batch.num_tokens, pool.d_model, kernels->layout_block(pool.wtype), x_in.data());
+  Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype),
+            h_q8 ? 0 : kernels->layout_block(pool.down_wtype), layer, x_in.data(), h,
+            h_q8 ? h_q.data() : h.data()};
 
   const std::vector<GateUpTask> gate_up = plan_gate_up(pool, routing.experts.size(), num_threads);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task(call, gate_up[i]); });
-  if (blocks)
+  if (h_q8)
     parallel_for(threads, num_pairs, [&](int64_t p) {
       quantise_act_q8(h.data() + p * pool.d_ff, pool.d_ff, reinterpret_cast<ActQ8*>(h_q.data() + p * pool.d_ff));
     });

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "kernels.h"
@@ -20,7 +21,9 @@
 namespace ftjax {
 
 // One host expert pool (HF fused layout). Letters: Lm MoE layers, E experts,
-// D model dim, F expert FFN dim.
+// D model dim, F expert FFN dim. The two parts may have different weight types (GGUF
+// Q4_K_M files: gate / up in Q4_K, down in Q6_K); each part's activations are prepared
+// for its own type (ActQ8 blocks, or floats in its layout).
 struct PoolView {
   const void* gate_up;  // [Lm, E, 2F, D]: rows 0..F-1 gate_proj, F..2F-1 up_proj
   const void* down;     // [Lm, E, D, F]
@@ -28,7 +31,11 @@ struct PoolView {
   int64_t num_experts;
   int64_t d_model;
   int64_t d_ff;
-  WeightType wtype;
+  WeightType wtype;       // of gate_up
+  WeightType down_wtype;  // of down
+  // Clamped SwiGLU (DeepSeek-V4): gate <= limit, |up| <= limit before silu(gate) * up;
+  // infinity (the default) leaves both as they are.
+  float swiglu_limit = std::numeric_limits<float>::infinity();
 };
 
 // Letters: T tokens, K top-k choices per token.

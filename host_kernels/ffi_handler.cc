@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "expert_ffn.h"
 #include "linear.h"
+#include "registry.h"
 
 namespace ffi = xla::ffi;
 
@@ -36,15 +37,14 @@ ffi::Error guarded(const char* target, Body&& body) noexcept {
   }
 }
 
-// What the routed-expert handler did, for online bandwidth calibration: a caller-owned
-// int64[3] {calls, nanoseconds in the kernel, distinct experts read (the kernel's own
+// What the routed-expert handler did, for online bandwidth calibration: the pool's
+// registered int64[3] {calls, nanoseconds in the kernel, distinct experts read (the kernel's own
 // count)}, added to at the end of each call (atomically; the step's host work is done by
 // the time Python reads it).
-void record_host_work(int64_t stats_ptr, int64_t experts, std::chrono::steady_clock::time_point start) {
-  if (stats_ptr == 0) return;
+void record_host_work(int64_t* stats, int64_t experts, std::chrono::steady_clock::time_point start) {
+  if (stats == nullptr) return;
   int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                    std::chrono::steady_clock::now() - start).count();
-  auto* stats = reinterpret_cast<int64_t*>(stats_ptr);
   __atomic_fetch_add(&stats[0], 1, __ATOMIC_RELAXED);
   __atomic_fetch_add(&stats[1], ns, __ATOMIC_RELAXED);
   __atomic_fetch_add(&stats[2], experts, __ATOMIC_RELAXED);
@@ -52,10 +52,9 @@ void record_host_work(int64_t stats_ptr, int64_t experts, std::chrono::steady_cl
 
 ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
-                           int64_t down_ptr, int64_t num_layers, int64_t num_experts,
-                           int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
-                           int32_t isa, int64_t stats_ptr) {
+                           ffi::ResultBuffer<ffi::F32> y, int32_t pool_id, int64_t num_layers,
+                           int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
+                           int32_t down_dtype, float swiglu_limit, int64_t threads, int32_t isa) {
   auto start = std::chrono::steady_clock::now();
   auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions();
   auto yd = y->dimensions();
@@ -68,29 +67,35 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: y must be [T, d_model]");
   if (layer.element_count() != 1)
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: layer must be a scalar");
-  if (!ftjax::is_weight_type(dtype))
+  if (!ftjax::is_weight_type(dtype) || !ftjax::is_weight_type(down_dtype))
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: unknown dtype code");
 
-  ftjax::PoolView pool{reinterpret_cast<const void*>(gate_up_ptr),
-                       reinterpret_cast<const void*>(down_ptr),
+  const auto addresses = ftjax::expert_pool(pool_id);
+  if (!addresses)
+    return ffi::Error::InvalidArgument("ftjax_expert_ffn: no expert pool is registered as " +
+                                       std::to_string(pool_id) + " (its model was freed)");
+  ftjax::PoolView pool{addresses->gate_up,
+                       addresses->down,
                        num_layers,
                        num_experts,
                        d_model,
                        d_ff,
-                       static_cast<WeightType>(dtype)};
+                       static_cast<WeightType>(dtype),
+                       static_cast<WeightType>(down_dtype),
+                       swiglu_limit};
   ftjax::TokenBatch batch{x.typed_data(), ids.typed_data(), weights.typed_data(),
                           y->typed_data(), xd[0], idd[1]};
   int64_t experts_read = 0;
   std::string err = ftjax::expert_ffn(pool, layer.typed_data()[0], batch,
-                                      reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+                                      ftjax::shared_thread_pool(static_cast<int>(threads)),
                                       static_cast<Isa>(isa), &experts_read);
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + err);
-  record_host_work(stats_ptr, experts_read, start);
+  record_host_work(addresses->work, experts_read, start);
   return ffi::Error::Success();
 }
 
 ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t pool_ptr, int32_t isa) {
+                       int64_t threads, int32_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   WeightType wtype;
   if (w.element_type() == ffi::U16)
@@ -105,7 +110,7 @@ ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuf
     return ffi::Error::InvalidArgument("ftjax_linear: y must be [T, N]");
   ftjax::DenseView view{w.untyped_data(), wd[0], wd[1], wtype};
   std::string err = ftjax::linear(view, x.typed_data(), xd[0], y->typed_data(),
-                                  reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+                                  ftjax::shared_thread_pool(static_cast<int>(threads)),
                                   static_cast<Isa>(isa));
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_linear: " + err);
   return ffi::Error::Success();
@@ -113,7 +118,7 @@ ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuf
 
 ffi::Error attention_body(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_len,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t pool_ptr, int32_t isa) {
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t threads, int32_t isa) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("ftjax_attention: k and v must have one dtype");
@@ -135,7 +140,7 @@ ffi::Error attention_body(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuf
   ftjax::AttentionArgs args{q.typed_data(), k.untyped_data(), v.untyped_data(), kv_type,
                             positions.typed_data(), kv_len.typed_data(),
                             qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], window, out->typed_data()};
-  std::string err = ftjax::attention(args, reinterpret_cast<ftjax::ThreadPool*>(pool_ptr),
+  std::string err = ftjax::attention(args, ftjax::shared_thread_pool(static_cast<int>(threads)),
                                      static_cast<Isa>(isa));
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_attention: " + err);
   return ffi::Error::Success();
@@ -143,27 +148,27 @@ ffi::Error attention_body(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuf
 
 ffi::Error attention_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_len,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t pool_ptr,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t threads,
                           int32_t isa) noexcept {
   return guarded("ftjax_attention",
-                 [&] { return attention_body(q, k, v, positions, kv_len, out, window, pool_ptr, isa); });
+                 [&] { return attention_body(q, k, v, positions, kv_len, out, window, threads, isa); });
 }
 
 ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t gate_up_ptr,
-                           int64_t down_ptr, int64_t num_layers, int64_t num_experts,
-                           int64_t d_model, int64_t d_ff, int32_t dtype, int64_t pool_ptr,
-                           int32_t isa, int64_t stats_ptr) noexcept {
+                           ffi::ResultBuffer<ffi::F32> y, int32_t pool_id, int64_t num_layers,
+                           int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
+                           int32_t down_dtype, float swiglu_limit, int64_t threads,
+                           int32_t isa) noexcept {
   return guarded("ftjax_expert_ffn", [&] {
-    return expert_ffn_body(x, layer, ids, weights, y, gate_up_ptr, down_ptr, num_layers,
-                           num_experts, d_model, d_ff, dtype, pool_ptr, isa, stats_ptr);
+    return expert_ffn_body(x, layer, ids, weights, y, pool_id, num_layers, num_experts, d_model,
+                           d_ff, dtype, down_dtype, swiglu_limit, threads, isa);
   });
 }
 
 ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t pool_ptr, int32_t isa) noexcept {
-  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, pool_ptr, isa); });
+                       int64_t threads, int32_t isa) noexcept {
+  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, threads, isa); });
 }
 
 // Writes new [B, G, T, hd] into cache [B, G, S, hd] at row start[b] of each (b, g), in
@@ -207,7 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxLinear, linear_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::AnyBuffer>()         // w [N, K] u16 | f32
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
-                                  .Attr<int64_t>("pool_ptr")
+                                  .Attr<int64_t>("threads")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, attention_impl,
@@ -219,7 +224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, attention_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [B, T, H, hd]
                                   .Attr<int64_t>("window")
-                                  .Attr<int64_t>("pool_ptr")
+                                  .Attr<int64_t>("threads")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
@@ -229,16 +234,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
-                                  .Attr<int64_t>("gate_up_ptr")
-                                  .Attr<int64_t>("down_ptr")
+                                  .Attr<int32_t>("pool_id")
                                   .Attr<int64_t>("num_layers")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("d_model")
                                   .Attr<int64_t>("d_ff")
-                                  .Attr<int32_t>("dtype")
-                                  .Attr<int64_t>("pool_ptr")
-                                  .Attr<int32_t>("isa")
-                                  .Attr<int64_t>("stats_ptr"));  // int64[3] or 0
+                                  .Attr<int32_t>("dtype")       // of gate_up
+                                  .Attr<int32_t>("down_dtype")  // of down
+                                  .Attr<float>("swiglu_limit")  // inf: plain SwiGLU
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxWriteRows, write_rows_impl,
                               ffi::Ffi::Bind()

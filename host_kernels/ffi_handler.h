@@ -4,11 +4,12 @@
 // Operands: x [T, D] f32, layer [] s32, ids [T, K] s32, weights [T, K] f32.
 // Result:   y [T, D] f32.
 // Attributes (static, baked into the compiled program; one compile serves every
-// layer and expert id): gate_up_ptr, down_ptr (int64 base addresses of the host
-// pool), num_layers, num_experts, d_model, d_ff (int64), dtype (int32: 0 f32,
-// 1 bf16 bits), pool_ptr (int64 address of a ThreadPool, 0 = run inline), isa
-// (int32: 0 auto, 1 scalar, 2 avx2, 3 avx512). The Python owner keeps the pool arrays and
-// the ThreadPool alive while any program holding these addresses can run.
+// layer and expert id; no addresses, so the program is the same in every process,
+// see registry.h): pool_id (int32: the host pool's `register_expert_pool` id), num_layers,
+// num_experts, d_model, d_ff (int64), dtype (int32: 0 f32, 1 bf16 bits, block formats),
+// threads (int64: workers of the process's `shared_thread_pool`), isa (int32: 0 auto,
+// 1 scalar, 2 avx2, 3 avx512). The Python owner keeps the pool registered and its arrays
+// alive while any program naming its id can run.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -17,13 +18,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
 
 // FtjaxLinear: y [T, N] f32 = x [T, K] f32 . w^T, w [N, K] an operand (uint16 bf16
 // bits or f32; on the CPU backend a device buffer *is* host memory, read in place).
-// Attributes: pool_ptr, isa as above.
+// Attributes: threads, isa as above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxLinear);
 
 // FtjaxAttention: out [B, T, H, hd] f32 = causal (optionally windowed) GQA attention of
 // q [B, T, H, hd] f32 over the keys s < kv_len[b] of k, v [B, G, S, hd] (f32 or bf16),
 // read in place; positions [B, T] s32, kv_len [B] s32. Attributes: window (0 = full),
-// pool_ptr, isa as above.
+// threads, isa as above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);
 
 // FtjaxWriteRows: cache [B, G, S, hd] (any dtype) with rows [B, G, T, hd] written at

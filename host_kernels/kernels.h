@@ -9,8 +9,9 @@
 // SIMD tables (AVX2+FMA, AVX-512) are compiled with target attributes, so the
 // build needs no -march flag, and picked at run time from what the CPU supports.
 //
-// Weight types: f32, bf16 (raw uint16 bits) and three GGUF block formats (the bytes are
-// exactly GGUF's, so a Q8_0 / Q4_0 / Q4_K tensor of a .gguf file is read in place). In
+// Weight types: f32, bf16 (raw uint16 bits), five GGUF block formats (the bytes are
+// exactly GGUF's, so a Q8_0 / Q4_0 / Q4_K / Q6_K / MXFP4 tensor of a .gguf file is read in
+// place), a tagged Q4_K-or-Q6_K block and FP8 rows with tile scales (below). In
 // Q8_0 / Q4_0, 32 consecutive weights of a row share one f16 scale d:
 //   Q8_0  {d, 32 x int8 q}          w[i] = d * q[i]                 34 bytes / 32
 //   Q4_0  {d, 16 bytes of nibbles}  w[i] = d * (nibble(i) - 8);      18 bytes / 32
@@ -21,8 +22,28 @@
 //   Q4_K  {d, dmin, 12 bytes of packed sc_j / m_j, 128 bytes of nibbles}   144 bytes / 256
 //         w = d * sc_j * nibble - dmin * m_j; sub-block 2c is the low nibbles of bytes
 //         32c..32c+31, sub-block 2c+1 their high nibbles (q4_k_scale_min unpacks sc, m)
-// Block rows need n % block_weights(type) == 0 (32, or 256 for Q4_K). The block kernels
-// multiply integers (kernels_quant.cc), so a quantised row costs fewer bytes to stream.
+// Q6_K super-blocks hold 256 weights as 16 sub-blocks of 16, each with an int8 scale:
+//   Q6_K  {128 bytes ql, 64 bytes qh, 16 x int8 scale, f16 d}   210 bytes / 256
+//         w = d * scale_j * (q - 32), q = 4 low bits | 2 high bits << 4 (0..63); weight
+//         128h + 32k + l (h < 2 halves, k < 4 quarters, l < 32) has its low bits in
+//         ql[64h + 32(k & 1) + l] (low nibble for k < 2, high for k >= 2), its high bits
+//         in qh[32h + l] >> 2k, its scale in scale[(128h + 32k + l) / 16]
+// MXFP4 (OCP microscaling, GGUF's block_mxfp4): 32 e2m1 values share an e8m0 exponent:
+//   MXFP4 {e, 16 bytes of nibbles}  w[i] = 2^(e - 128) * v(nibble(i)), nibbles as Q4_0,
+//         v = e2m1 x 2 = {0, 1, 2, 3, 4, 6, 8, 12, -0, -1, ..., -12}: integers, so the
+//         block is an int8 dot like Q4_0's after a 16-entry nibble -> int8 lookup
+// FP8 (ftjax's own row layout of DeepSeek-V3's float8_e4m3fn weights with 128 x 128
+// tile scales; each row's 128-weight blocks carry their tile's scale_inv):
+//   FP8_E4M3 {f32 scale, 128 x e4m3fn}   w[i] = e4m3(i) * scale      132 bytes / 128
+//         e4m3 is converted to float in registers (exact through f16: e4m3 bits << 7 are
+//         an f16 of value e4m3 * 2^-8), and meets float32 activations (no ActQ8:
+//         e4m3 levels are not integers of 8 bits)
+// Q4_K_OR_Q6_K (a GGUF part whose layers mix the two, llama.cpp's Q4_K_M ffn_down_exps):
+//   {tag 4 | 6, 0, a Q4_K block + 66 zero bytes | a Q6_K block}     212 bytes / 256
+//         the blocks of one layer share a tag, so the branch on it is predicted
+// Block rows need n % block_weights(type) == 0 (32; 256 for the K types; 128 for FP8).
+// The block kernels multiply integers (kernels_quant.cc), so a quantised row costs fewer
+// bytes to stream.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +51,9 @@
 
 namespace ftjax {
 
-enum class WeightType : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_K = 4 };  // bf16 = raw uint16 bits
+enum class WeightType : int32_t {  // bf16 = raw uint16 bits
+  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_K = 4, kQ6_K = 5, kMXFP4 = 6, kFP8_E4M3 = 7, kQ4_K_OR_Q6_K = 8
+};
 
 constexpr int64_t kQuantBlock = 32;  // weights per Q8_0 / Q4_0 block, per Q4_K sub-block, per ActQ8 block
 struct BlockQ8_0 {
@@ -51,7 +74,47 @@ struct BlockQ4_K {
   uint8_t scales[12];   // 8 x 6-bit scale, 8 x 6-bit min (q4_k_scale_min)
   uint8_t qs[kWeights / 2];
 };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_K) == 144, "GGUF block sizes");
+struct BlockQ6_K {
+  static constexpr int64_t kWeights = 256;
+  uint8_t ql[kWeights / 2];   // low 4 bits
+  uint8_t qh[kWeights / 4];   // high 2 bits
+  int8_t scales[kWeights / 16];
+  uint16_t d;                 // f16 super-block scale
+};
+struct BlockMXFP4 {
+  static constexpr int64_t kWeights = kQuantBlock;
+  uint8_t e;  // e8m0 shared exponent
+  uint8_t qs[kQuantBlock / 2];
+};
+struct BlockFP8 {
+  static constexpr int64_t kWeights = 128;
+  float d;  // the tile's scale_inv
+  uint8_t qs[kWeights];  // float8_e4m3fn bits
+};
+struct BlockQ4_KorQ6_K {
+  static constexpr int64_t kWeights = 256;
+  static constexpr uint8_t kTagQ6_K = 6;  // else (4) Q4_K
+  uint8_t tag;
+  uint8_t zero;
+  union {
+    BlockQ4_K q4;
+    BlockQ6_K q6;
+  };
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_K) == 144 &&
+                  sizeof(BlockQ6_K) == 210 && sizeof(BlockMXFP4) == 17 && sizeof(BlockFP8) == 132 &&
+                  sizeof(BlockQ4_KorQ6_K) == 212,
+              "block sizes");
+
+// e2m1 nibble -> 2 x its value (GGUF's kvalues_mxfp4), and the e8m0 byte -> 2^(e - 128)
+// (half the block scale, as the values are doubled; ggml's e8m0_to_fp32_half).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // Scale and min of sub-block j of a Q4_K super-block (GGUF's get_scale_min_k4).
 inline void q4_k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
@@ -165,6 +228,10 @@ struct Kernels {
   DotTable q8_0;
   DotTable q4_0;
   DotTable q4_k;
+  DotTable q6_k;
+  DotTable mxfp4;
+  DotTable fp8;
+  DotTable q4_k_or_q6_k;
   SumFn sum;
   int64_t bf16_block;  // activation layout of the bf16 table, see even_odd_pos
   const DotTable& dots(WeightType w) const {
@@ -173,6 +240,10 @@ struct Kernels {
       case WeightType::kQ8_0: return q8_0;
       case WeightType::kQ4_0: return q4_0;
       case WeightType::kQ4_K: return q4_k;
+      case WeightType::kQ6_K: return q6_k;
+      case WeightType::kMXFP4: return mxfp4;
+      case WeightType::kFP8_E4M3: return fp8;
+      case WeightType::kQ4_K_OR_Q6_K: return q4_k_or_q6_k;
       default: return f32;
     }
   }
@@ -180,8 +251,8 @@ struct Kernels {
 };
 
 const Kernels& scalar_kernels();
-// The block-format tables (kernels_quant.cc): integer block dots, scalar and AVX2. Every
-// Kernels table takes its Q8_0 / Q4_0 / Q4_K entries from one of these.
+// The block-format tables (kernels_quant.cc): integer block dots (FP8: float), scalar and
+// AVX2. Every Kernels table takes its block-format entries from one of these.
 DotTable block_table_scalar(WeightType w);
 DotTable block_table_avx2(WeightType w);
 const Kernels* avx2_kernels();    // nullptr when not built for this architecture
@@ -192,10 +263,10 @@ bool cpu_has_avx512();
 // kAuto -> the widest ISA the CPU has; nullptr if a forced ISA is missing.
 const Kernels* select_kernels(Isa isa);
 
-inline bool is_block_type(WeightType w) {
-  return w == WeightType::kQ8_0 || w == WeightType::kQ4_0 || w == WeightType::kQ4_K;
-}
-inline bool is_weight_type(int32_t code) { return code >= 0 && code <= 4; }
+inline bool is_block_type(WeightType w) { return w != WeightType::kF32 && w != WeightType::kBF16; }
+// Block types whose dots take ActQ8 activation blocks (all but FP8, which takes floats).
+inline bool uses_act_q8(WeightType w) { return is_block_type(w) && w != WeightType::kFP8_E4M3; }
+inline bool is_weight_type(int32_t code) { return code >= 0 && code <= 8; }
 
 // Weights per block (1 for the plain types): a row's length must be a multiple of it.
 inline int64_t block_weights(WeightType w) {
@@ -203,6 +274,10 @@ inline int64_t block_weights(WeightType w) {
     case WeightType::kQ8_0: return BlockQ8_0::kWeights;
     case WeightType::kQ4_0: return BlockQ4_0::kWeights;
     case WeightType::kQ4_K: return BlockQ4_K::kWeights;
+    case WeightType::kQ6_K: return BlockQ6_K::kWeights;
+    case WeightType::kMXFP4: return BlockMXFP4::kWeights;
+    case WeightType::kFP8_E4M3: return BlockFP8::kWeights;
+    case WeightType::kQ4_K_OR_Q6_K: return BlockQ4_KorQ6_K::kWeights;
     default: return 1;
   }
 }
@@ -214,6 +289,10 @@ inline int64_t row_bytes(WeightType w, int64_t n) {
     case WeightType::kQ8_0: return n / BlockQ8_0::kWeights * int64_t(sizeof(BlockQ8_0));
     case WeightType::kQ4_0: return n / BlockQ4_0::kWeights * int64_t(sizeof(BlockQ4_0));
     case WeightType::kQ4_K: return n / BlockQ4_K::kWeights * int64_t(sizeof(BlockQ4_K));
+    case WeightType::kQ6_K: return n / BlockQ6_K::kWeights * int64_t(sizeof(BlockQ6_K));
+    case WeightType::kMXFP4: return n / BlockMXFP4::kWeights * int64_t(sizeof(BlockMXFP4));
+    case WeightType::kFP8_E4M3: return n / BlockFP8::kWeights * int64_t(sizeof(BlockFP8));
+    case WeightType::kQ4_K_OR_Q6_K: return n / BlockQ4_KorQ6_K::kWeights * int64_t(sizeof(BlockQ4_KorQ6_K));
     default: return 4 * n;
   }
 }

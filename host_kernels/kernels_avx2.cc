@@ -175,7 +175,9 @@ FTJAX_AVX2 float sum_avx2(const float* data, int64_t n) {
 const Kernels* avx2_kernels() {
   static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_avx2(WeightType::kQ8_0),
                          block_table_avx2(WeightType::kQ4_0),
-                         block_table_avx2(WeightType::kQ4_K), &sum_avx2, 16};
+                         block_table_avx2(WeightType::kQ4_K), block_table_avx2(WeightType::kQ6_K),
+                         block_table_avx2(WeightType::kMXFP4), block_table_avx2(WeightType::kFP8_E4M3),
+                         block_table_avx2(WeightType::kQ4_K_OR_Q6_K), &sum_avx2, 16};
   return &k;
 }
 

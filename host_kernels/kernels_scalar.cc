@@ -67,7 +67,9 @@ float sum_scalar(const float* data, int64_t n) {
 const Kernels& scalar_kernels() {
   static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_scalar(WeightType::kQ8_0),
                          block_table_scalar(WeightType::kQ4_0),
-                         block_table_scalar(WeightType::kQ4_K), &sum_scalar, 0};
+                         block_table_scalar(WeightType::kQ4_K), block_table_scalar(WeightType::kQ6_K),
+                         block_table_scalar(WeightType::kMXFP4), block_table_scalar(WeightType::kFP8_E4M3),
+                         block_table_scalar(WeightType::kQ4_K_OR_Q6_K), &sum_scalar, 0};
   return k;
 }
 

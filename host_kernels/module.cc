@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <limits>
 #include <string>
 
 #include "attention.h"
@@ -16,6 +17,7 @@
 #include "ffi_handler.h"
 #include "kernels.h"
 #include "linear.h"
+#include "registry.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -44,25 +46,27 @@ int64_t block_row_len(WeightType w, int64_t bytes) {
 }
 
 // gate_up [Lm, E, 2F, D], down [Lm, E, D, F] -> a validated PoolView. Block types
-// (wtype Q8_0 / Q4_0 / Q4_K) come as uint8 rows of blocks: gate_up [Lm, E, 2F, bytes(D)].
-PoolView pool_view(const Pool4& gate_up, const Pool4& down, int wtype_code) {
-  WeightType wtype;
+// (wtype / down_wtype codes of a block type) come as uint8 rows of blocks: gate_up
+// [Lm, E, 2F, bytes(D)]; down_wtype < 0: the type of gate_up.
+WeightType part_type(const Pool4& a, int code) {
+  if (code < 0) return weight_type_of(a);
+  if (!is_weight_type(code)) throw std::invalid_argument("unknown weight type code");
+  const WeightType w = static_cast<WeightType>(code);
+  if (!is_block_type(w)) throw std::invalid_argument("wtype is only for block types");
+  if (a.dtype() != nb::dtype<uint8_t>()) throw std::invalid_argument("block-quantised pools must be uint8 arrays of blocks");
+  return w;
+}
+
+PoolView pool_view(const Pool4& gate_up, const Pool4& down, int wtype_code, int down_code) {
+  const WeightType wtype = part_type(gate_up, wtype_code);
+  const WeightType down_wtype = part_type(down, down_code < 0 ? wtype_code : down_code);
+  if (wtype_code < 0 && down_code < 0 && down_wtype != wtype)
+    throw std::invalid_argument("gate_up and down must have the same dtype");
   int64_t D = gate_up.shape(3), F = down.shape(3);
-  if (wtype_code < 0) {
-    wtype = weight_type_of(gate_up);
-    if (weight_type_of(down) != wtype)
-      throw std::invalid_argument("gate_up and down must have the same dtype");
-  } else {
-    if (!is_weight_type(wtype_code)) throw std::invalid_argument("unknown weight type code");
-    wtype = static_cast<WeightType>(wtype_code);
-    if (!is_block_type(wtype)) throw std::invalid_argument("wtype is only for block types");
-    if (gate_up.dtype() != nb::dtype<uint8_t>() || down.dtype() != nb::dtype<uint8_t>())
-      throw std::invalid_argument("block-quantised pools must be uint8 arrays of blocks");
-    D = block_row_len(wtype, D);
-    F = block_row_len(wtype, F);
-  }
+  if (is_block_type(wtype)) D = block_row_len(wtype, D);
+  if (is_block_type(down_wtype)) F = block_row_len(down_wtype, F);
   PoolView v{gate_up.data(), down.data(), (int64_t)gate_up.shape(0),
-             (int64_t)gate_up.shape(1), D, (int64_t)gate_up.shape(2) / 2, wtype};
+             (int64_t)gate_up.shape(1), D, (int64_t)gate_up.shape(2) / 2, wtype, down_wtype};
   if (gate_up.shape(2) % 2 != 0 || v.d_model <= 0 || v.d_ff <= 0)
     throw std::invalid_argument("gate_up must be [Lm, E, 2F, D] with D, F > 0");
   if ((int64_t)down.shape(0) != v.num_layers || (int64_t)down.shape(1) != v.num_experts ||
@@ -73,8 +77,9 @@ PoolView pool_view(const Pool4& gate_up, const Pool4& down, int wtype_code) {
 
 void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const X2& x,
                    const Ids2& ids, const X2& weights, const Y2& y, ThreadPool* threads,
-                   int isa, int wtype) {
-  PoolView pool = pool_view(gate_up, down, wtype);
+                   int isa, int wtype, int down_wtype, float swiglu_limit) {
+  PoolView pool = pool_view(gate_up, down, wtype, down_wtype);
+  pool.swiglu_limit = swiglu_limit;
   const int64_t T = x.shape(0), K = ids.shape(1);
   if ((int64_t)x.shape(1) != pool.d_model)
     throw std::invalid_argument("x must be [T, D] with D = " + std::to_string(pool.d_model));
@@ -155,15 +160,27 @@ NB_MODULE(_host_kernels, m) {
   nb::class_<ThreadPool>(m, "ThreadPool",
                          "Persistent worker threads; the caller is one of num_threads.")
       .def(nb::init<int>(), "num_threads"_a = 0)
-      .def_prop_ro("num_threads", &ThreadPool::num_threads)
-      .def_prop_ro(
-          "address", [](ThreadPool& p) { return (int64_t)(intptr_t)&p; },
-          "Address passed to the FFI handler as the pool_ptr attribute.");
+      .def_prop_ro("num_threads", &ThreadPool::num_threads);
+  m.def("shared_thread_pool", &shared_thread_pool, "num_threads"_a, nb::rv_policy::reference,
+        "The process's pool of num_threads workers, the one the FFI handlers use for the "
+        "`threads` attribute (created on first use, never freed).");
+  m.def(
+      "register_expert_pool",
+      [](int64_t gate_up, int64_t down, int64_t work) {
+        return register_expert_pool({reinterpret_cast<const void*>(gate_up), reinterpret_cast<const void*>(down),
+                                     reinterpret_cast<int64_t*>(work)});
+      },
+      "gate_up_address"_a, "down_address"_a, "work_address"_a,
+      "Register a host expert pool (and its int64[3] work counters, or 0) -> the id the "
+      "expert FFI handler's pool_id attribute names (the lowest free one).");
+  m.def("unregister_expert_pool", &unregister_expert_pool, "pool_id"_a);
 
   m.def("expert_ffn", &py_expert_ffn, "gate_up"_a.noconvert(), "down"_a.noconvert(),
         "layer"_a, "x"_a, "ids"_a, "weights"_a, "y"_a.noconvert(), "threads"_a.none(),
-        "isa"_a = 0, "wtype"_a = -1,
-        "y[t] = sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) for MoE layer `layer`; "
+        "isa"_a = 0, "wtype"_a = -1, "down_wtype"_a = -1,
+        "swiglu_limit"_a = std::numeric_limits<float>::infinity(),
+        "y[t] = sum_k weights[t,k] * FFN_{ids[t,k]}(x[t]) for MoE layer `layer` (SwiGLU clamped at "
+        "swiglu_limit); "
         "writes y [T, D] in place.");
   m.def("linear", &py_linear, "w"_a.noconvert(), "x"_a, "y"_a.noconvert(), "threads"_a.none(),
         "isa"_a = 0, "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits; writes y in place.");
@@ -193,4 +210,8 @@ NB_MODULE(_host_kernels, m) {
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;
   m.attr("DTYPE_Q4_0") = (int)WeightType::kQ4_0;
   m.attr("DTYPE_Q4_K") = (int)WeightType::kQ4_K;
+  m.attr("DTYPE_Q6_K") = (int)WeightType::kQ6_K;
+  m.attr("DTYPE_MXFP4") = (int)WeightType::kMXFP4;
+  m.attr("DTYPE_FP8_E4M3") = (int)WeightType::kFP8_E4M3;
+  m.attr("DTYPE_Q4_K_OR_Q6_K") = (int)WeightType::kQ4_K_OR_Q6_K;
 }

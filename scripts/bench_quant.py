@@ -1,17 +1,19 @@
-"""Quantised experts: quality and speed of int8 (Q8_0) and int4 (Q4_0) against bf16.
+"""Quantised experts: quality and speed of the expert formats (int8 = Q8_0, int4 = Q4_0, Q4_K,
+Q6_K, MXFP4, FP8 e4m3, and Q4_K gate/up with Q6_K down) against bf16.
 
 One JSON line per measurement (with commit and machine):
 
     quant_ppl     held-out perplexity of the embedded default model, per expert format
     quant_kernel  the host expert kernel alone on OLMoE-1B-7B expert shapes (D 2048,
-                  F 1024, 64 experts, top-8): a decode call (1 token, GB/s of expert
-                  bytes read, with the machine's read ceiling) and a 512-token prefill
-                  call (tokens/s), at 1 and 2 threads
+                  F 1024, 64 experts (--experts), top-8): a decode call (1 token, GB/s of
+                  expert bytes read, with the machine's read ceiling) and a 512-token
+                  prefill call (tokens/s), at 1 and 2 threads, per format (--formats)
     quant_model   a whole model (`--model`, e.g. the OLMoE geometry checkpoint of
                   `make_geometry_checkpoint.py --family olmoe`) on the host policy: steady
                   decode tok/s and 512-token prompt tok/s, per format and thread count
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_quant.py [--skip-ppl] [--model /tmp/geom-olmoe]
+        [--formats bfloat16 q6_k fp8_e4m3 ...] [--experts 16]
 """
 
 from __future__ import annotations
@@ -33,22 +35,28 @@ from ftjax.experts.pool import HostExpertPool, to_bf16_bits  # noqa: E402
 from ftjax.host import HostExecutor, read_bandwidth_gbps  # noqa: E402
 from ftjax.runinfo import commit_info, machine_info  # noqa: E402
 
-FORMATS = {"bfloat16": "bfloat16", "int8": "q8_0", "int4": "q4_0"}
+FORMATS = {"bfloat16": "bfloat16", "int8": "q8_0", "int4": "q4_0", "q4_k": "q4_k", "q6_k": "q6_k",
+           "mxfp4": "mxfp4", "fp8_e4m3": "fp8_e4m3", "q4_k/q6_k": "q4_k/q6_k", "q4_k_or_q6_k": "q4_k_or_q6_k"}
 
 
 def emit(kind: str, **fields) -> None:
     print(json.dumps({"bench": kind, **commit_info(), "machine": machine_info(), **fields}), flush=True)
 
 
-def perplexity(tokens: int) -> None:
+def perplexity(tokens: int, formats: list[str]) -> None:
+    from ftjax.config import ConfigError
     from ftjax.data import corpus
 
     base = ftjax.load(policy="host")
     text = "".join(corpus.split(name)[1] for name in corpus.names())
     ids = base.tokenizer.encode(text)[: tokens + 1]
     ref = None
-    for name in FORMATS:
-        model = base if name == "bfloat16" else ftjax.load(policy="host", expert_dtype=name)
+    for name in ["bfloat16", *(f for f in formats if f != "bfloat16")]:
+        try:
+            model = base if name == "bfloat16" else ftjax.load(policy="host", expert_dtype=name)
+        except ConfigError as e:  # widths that are not whole blocks of the format
+            emit("quant_ppl", model="default", expert_format=FORMATS[name], skipped=str(e))
+            continue
         ppl = float(np.exp(held_out_nll(model, ids)))
         ref = ref or ppl
         emit("quant_ppl", model="default", expert_format=FORMATS[name], tokens=len(ids) - 1, perplexity=round(ppl, 4),
@@ -65,17 +73,17 @@ def best_s(fn, repeats: int) -> float:
     return min(times)
 
 
-def kernel(threads_list: list[int], prefill_tokens: int) -> None:
+def kernel(threads_list: list[int], prefill_tokens: int, formats: list[str], E: int = 64) -> None:
     rng = np.random.default_rng(0)
-    D, F, E, K = 2048, 1024, 64, 8
+    D, F, K = 2048, 1024, 8
     gate_up = to_bf16_bits(rng.standard_normal((1, E, 2 * F, D), np.float32) * 0.02)
     down = to_bf16_bits(rng.standard_normal((1, E, D, F), np.float32) * 0.02)
     bf16 = HostExpertPool.from_arrays(gate_up, down)
     del gate_up, down
+    pools = {FORMATS[n]: bf16 if n == "bfloat16" else bf16.converted(FORMATS[n]) for n in formats}
     for threads in threads_list:
         ceiling = read_bandwidth_gbps(threads)
-        for name, fmt in FORMATS.items():
-            pool = bf16 if fmt == "bfloat16" else bf16.converted(fmt)
+        for fmt, pool in pools.items():
             ex = HostExecutor(pool, threads=threads)
             x1 = rng.standard_normal((1, D)).astype(np.float32)
             calls = [rng.permutation(E)[:K][None].astype(np.int32) for _ in range(8)]
@@ -131,11 +139,12 @@ def main() -> None:
                     help="checkpoint folder or .gguf for the whole-model lines (e.g. the OLMoE geometry)")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--experts", type=int, default=64, help="experts in the kernel pool (default: 64)")
     args = ap.parse_args()
     if not args.skip_ppl:
-        perplexity(args.ppl_tokens)
+        perplexity(args.ppl_tokens, args.formats)
     if not args.skip_kernel:
-        kernel(args.threads, args.prefill_tokens)
+        kernel(args.threads, args.prefill_tokens, args.formats, args.experts)
     if args.model:
         whole_model(args.model, args.threads, args.prefill_tokens, args.new, args.formats)
 

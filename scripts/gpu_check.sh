@@ -39,8 +39,10 @@ python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml "$OU
   | tee "$OUT/gpu-tests.txt" || true
 if [[ $DRY == 1 ]]; then
   python scripts/gpu_bench.py --tokens 16 --prompt 64 | tee "$OUT/bench.jsonl"
+  python scripts/bench_qsweep.py --misses 8 --repeats 3 | tee -a "$OUT/bench.jsonl"
 else
   python scripts/gpu_bench.py | tee "$OUT/bench.jsonl"
+  python scripts/bench_qsweep.py --misses 8 16 --repeats 9 | tee -a "$OUT/bench.jsonl"
 fi
 
 python - "$OUT" "$start" <<'PY'
@@ -58,6 +60,14 @@ for line in open(f"{out}/bench.jsonl"):
                                                            f"miss rate {r['miss_rate']:.2f})"),
                  ("B_P / B_H profile GB/s", f"{r['B_P_gbps']:.2f} / {r['B_H_gbps']:.2f}"),
                  ("placement", json.dumps(r["placement"]))]
+    elif r["bench"] == "q_sweep":
+        c, q = r["calibrated"], r["q_star"]
+        dev, hst = r["device_path_ms"][q], r["host_path_ms"][q]
+        rows += [(f"q sweep m={r['m']}: best q / q* / calibrated q",
+                  f"{r['best_q']} / {q} ({r['q_star_slowdown']:.2f}x) / {c['q']} "
+                  f"({c['slowdown']:.2f}x, within 10%: {r['within_10pct']})"),
+                 (f"layer at q*={q} ms: layer / max(device, host) / sum",
+                  f"{r['measured_ms'][q]:.3f} / {max(dev, hst):.3f} / {dev + hst:.3f}")]
     elif r["bench"] == "gpu_prefill" and r.get("available", True):
         rows.append(("prefill s: pipelined / transfer / compute / max / sum",
                      f"{r['t_prefill_s']:.3f} / {r['t_transfer_s']:.3f} / {r['t_compute_s']:.3f} / "

@@ -30,6 +30,19 @@ transformers' GlmMoeDsaConfig defaults, which are GLM-5's config.json. All three
 dense (`first_k_dense_replace` 1, the real models have 1, 3 and 3), the rest MoE, the
 routers' e_score_correction_bias in float32 as released, no MTP layer.
 
+`--family deepseek_v4`: DeepSeek-V4-Flash (D 4096, 64 query heads of 512 sharing one KV
+head, q rank 1024, 64 interleaved RoPE dims, a grouped output projection of 8 groups x
+1024, sliding window 128, compressed entries every 4 (CSA, with the lightning indexer:
+64 heads x 128, top 512) or 128 (HCA) tokens, compress RoPE theta 160000 with YaRN x16;
+4 hyper-connection streams, 20 Sinkhorn steps; E 256 x F 2048, K 6, one shared expert,
+sqrtsoftplus scores, scaling 1.5, SwiGLU clamped at 10; V 129280; one MoE layer is 12.9 GB
+of bf16 experts): the shapes of transformers' DeepseekV4Config defaults. Layers are
+sliding, CSA, HCA, CSA, ... (every kind from 3 layers on), the first 3 hash-routed
+(`tid2eid`, int64, distinct experts per token), the rest top-k with a float32 correction
+bias; mHC parameters, sinks, position biases and norms in float32 as transformers keeps
+them; tensors under transformers' module names (the routed experts under the original
+`mlp.experts.{e}.w1 / w2 / w3`, which transformers merges at load); no MTP module.
+
 The Qwen3-30B-A3B checkpoint:
 
 Same tensor shapes, names and config as the real model (D 2048, F 768, E 128, K 8,
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -296,11 +310,98 @@ def layer_tensors_glm5(rng: Rng, i: int) -> dict[str, torch.Tensor]:
     return t
 
 
+# DeepSeek-V4-Flash (deepseek_v4): transformers' DeepseekV4Config defaults
+DSV4 = dict(D=4096, H=64, HD=512, DR=64, QR=1024, OG=8, OR=1024, F=2048, E=256, K=6, V=129280, WIN=128, CSA=4,
+            HCA=128, HI=64, DI=128, TOPK=512, HC=4, HASH=3)
+DSV4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+              "compressed_sparse_attention")
+
+
+def dsv4_layer_type(i: int) -> str:
+    return DSV4_KINDS[i % len(DSV4_KINDS)]
+
+
+def hf_config_dsv4(num_layers: int) -> dict:
+    c = DSV4
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": c["D"],
+        "num_hidden_layers": num_layers, "num_attention_heads": c["H"], "num_key_value_heads": 1, "head_dim": c["HD"],
+        "partial_rotary_factor": c["DR"] / c["HD"], "q_lora_rank": c["QR"], "o_groups": c["OG"], "o_lora_rank": c["OR"],
+        "moe_intermediate_size": c["F"], "n_routed_experts": c["E"], "num_experts_per_tok": c["K"],
+        "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+        "sliding_window": c["WIN"], "layer_types": [dsv4_layer_type(i) for i in range(num_layers)],
+        "compress_rates": {"compressed_sparse_attention": c["CSA"], "heavily_compressed_attention": c["HCA"]},
+        "mlp_layer_types": ["hash_moe" if i < c["HASH"] else "moe" for i in range(num_layers)],
+        "index_n_heads": c["HI"], "index_head_dim": c["DI"], "index_topk": c["TOPK"], "hc_mult": c["HC"],
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                            "beta_fast": 32, "beta_slow": 1},
+        "vocab_size": c["V"], "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+        "dtype": "bfloat16",
+    }
+
+
+def f32(rng: Rng, shape, std: float, mean: float = 0.0) -> torch.Tensor:
+    return torch.from_numpy((rng.rng.standard_normal(shape, dtype=np.float32) * std + mean).astype(np.float32))
+
+
+def dsv4_compressor(rng: Rng, x: str, width: int, rate: int, overlap: bool) -> dict[str, torch.Tensor]:
+    d, out = DSV4["D"], (2 if overlap else 1) * width
+    return {x + "kv_proj.weight": rng.bf16((out, d), 0.02), x + "gate_proj.weight": rng.bf16((out, d), 0.02),
+            x + "position_bias": f32(rng, (rate, out), 0.1), x + "kv_norm.weight": f32(rng, (width,), 0.1, 1.0)}
+
+
+def layer_tensors_dsv4(rng: Rng, i: int) -> dict[str, torch.Tensor]:
+    """One V4 layer (layer 0 also carries the model's hc_head: one shard less)."""
+    c, p = DSV4, f"model.layers.{i}."
+    d, h, hd, hc = c["D"], c["H"], c["HD"], c["HC"]
+    a, m = p + "self_attn.", p + "mlp."
+    t = {p + "input_layernorm.weight": f32(rng, (d,), 0.1, 1.0),
+         p + "post_attention_layernorm.weight": f32(rng, (d,), 0.1, 1.0)}
+    for hcn in ("attn_hc", "ffn_hc"):
+        t.update({f"{p}{hcn}.fn": f32(rng, ((2 + hc) * hc, hc * d), 0.02), f"{p}{hcn}.base": f32(rng, ((2 + hc) * hc,), 0.1),
+                  f"{p}{hcn}.scale": f32(rng, (3,), 0.1, 1.0)})
+    t.update({a + "q_a_proj.weight": rng.bf16((c["QR"], d), 0.02), a + "q_a_norm.weight": f32(rng, (c["QR"],), 0.1, 1.0),
+              a + "q_b_proj.weight": rng.bf16((h * hd, c["QR"]), 0.02), a + "kv_proj.weight": rng.bf16((hd, d), 0.02),
+              a + "kv_norm.weight": f32(rng, (hd,), 0.1, 1.0),
+              a + "o_a_proj.weight": rng.bf16((c["OG"] * c["OR"], h * hd // c["OG"]), 0.02),
+              a + "o_b_proj.weight": rng.bf16((d, c["OG"] * c["OR"]), 0.02), a + "sinks": f32(rng, (h,), 0.5)})
+    kind = dsv4_layer_type(i)
+    if kind != "sliding_attention":
+        csa = kind == "compressed_sparse_attention"
+        t.update(dsv4_compressor(rng, a + "compressor.", hd, c["CSA"] if csa else c["HCA"], csa))
+        if csa:
+            x = a + "compressor.indexer."
+            t.update(dsv4_compressor(rng, x, c["DI"], c["CSA"], True))
+            t.update({x + "q_b_proj.weight": rng.bf16((c["HI"] * c["DI"], c["QR"]), 0.02),
+                      x + "scorer.weights_proj.weight": rng.bf16((c["HI"], d), 0.02)})
+    t[m + "gate.weight"] = rng.bf16((c["E"], d), 0.05)
+    if i < c["HASH"]:  # a frozen token -> experts table: K distinct experts per token
+        t[m + "gate.tid2eid"] = torch.from_numpy(np.ascontiguousarray(np.argsort(rng.rng.random((c["V"], c["E"])), axis=1)[:, :c["K"]]))
+    else:
+        t[m + "gate.e_score_correction_bias"] = f32(rng, (c["E"],), 0.01)
+    t.update({m + "shared_experts.gate_proj.weight": rng.bf16((c["F"], d), 0.02),
+              m + "shared_experts.up_proj.weight": rng.bf16((c["F"], d), 0.02),
+              m + "shared_experts.down_proj.weight": rng.bf16((d, c["F"]), 0.02)})
+    names = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # transformers reads V4's experts by these names
+    t.update({re.sub(r"(gate|down|up)_proj", lambda g: names[g.group(0)], k): v
+              for k, v in experts(rng, p, c["E"], c["F"], d).items()})
+    if i == 0:
+        t.update({"model.hc_head.hc_fn": f32(rng, (hc, hc * d), 0.02), "model.hc_head.hc_base": f32(rng, (hc,), 0.1),
+                  "model.hc_head.hc_scale": f32(rng, (1,), 0.1, 1.0)})
+    return t
+
+
 FAMILIES = {  # --family -> (config, layer tensors, vocab, D, final norm mean, eos)
     "glm4_moe": (hf_config_glm, layer_tensors_glm, GLM["V"], GLM["D"], 1.0, 151329),
     "deepseek_v3": (hf_config_dsv3, layer_tensors_dsv3, DSV3["V"], DSV3["D"], 1.0, 1),
     "glm_moe_dsa": (hf_config_glm5, layer_tensors_glm5, GLM5["V"], GLM5["D"], 1.0, 154820),
+    "deepseek_v4": (hf_config_dsv4, layer_tensors_dsv4, DSV4["V"], DSV4["D"], 1.0, 1),
 }
+
+
+EXPERT_SHAPES = {"glm4_moe": GLM, "deepseek_v3": DSV3, "glm_moe_dsa": GLM5, "deepseek_v4": DSV4}  # --experts
 
 
 def olmoe_attention(out: Path, num_layers: int, seed: int) -> None:
@@ -351,7 +452,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", default="qwen3_moe",
                     choices=["qwen3_moe", "qwen3_5_moe", "olmoe_attention", "olmoe", *FAMILIES])
+    ap.add_argument("--experts", type=int, default=None,
+                    help=f"routed experts per MoE layer ({', '.join(EXPERT_SHAPES)}): fewer than the real "
+                         "model's, each of the real shape, so a few layers fit a small machine (decode reads "
+                         "the same bytes per token: top-k experts of the real size)")
     args = ap.parse_args()
+    if args.experts is not None:
+        if args.family not in EXPERT_SHAPES:
+            ap.error(f"--experts applies to {', '.join(EXPERT_SHAPES)}")
+        shape = EXPERT_SHAPES[args.family]
+        groups = 8 if args.family == "deepseek_v3" else 1  # n_group of the config (4 groups kept of 8)
+        if args.experts % groups or args.experts < max(shape.get("K", K), 2 * groups):
+            ap.error(f"--experts for {args.family} must be a multiple of {groups} and at least "
+                     f"{max(shape.get('K', K), 2 * groups)}")
+        shape["E"] = args.experts
     if args.family in ("olmoe_attention", "olmoe"):
         return (olmoe_attention if args.family == "olmoe_attention" else olmoe)(Path(args.out), args.layers, args.seed)
     q35 = args.family == "qwen3_5_moe"

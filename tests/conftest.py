@@ -37,3 +37,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    """One XLA compilation cache for the run (every xdist worker and the controller
+    share its directory): a program compiled once — the same model built again by
+    another test, the same step shapes — is loaded, not compiled again. The key is the
+    whole program, so a hit is the same program; programs holding per-instance host
+    pointers (host expert kernels) simply never hit. FTJAX_TEST_XLA_CACHE=0 turns it off."""
+    if os.environ.get("FTJAX_TEST_XLA_CACHE", "1") == "0":
+        os.environ["FTJAX_COMPILE_CACHE"] = "0"  # nor in the CLI processes tests start
+        return
+    import tempfile
+
+    import jax
+
+    shared = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    path = Path(tempfile.gettempdir()) / f"ftjax-test-xla-cache-{shared}"
+    os.environ["FTJAX_COMPILE_CACHE"] = str(path)  # the CLI and servers the tests start use it too
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True)
+def _free_models_after_each_test():
+    """Collect the models a test dropped (they sit in reference cycles): a freed host pool
+    gives its registry id back, so the next model of the same shape lowers to the same
+    program and the compilation cache serves it."""
+    yield
+    import gc
+
+    gc.collect()

@@ -106,3 +106,19 @@ def bf16_rounded(model):
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     return rounded
+
+
+def check_against(model, reference, prompt, tol=2e-4):
+    """A loaded ftjax model against transformers' (logits of prompt, its greedy tokens):
+    the logits, the greedy continuation, and each decode step's logits against the full
+    forward (relative error <= tol)."""
+    import numpy as np
+
+    from test_parity import rel_err
+
+    want_logits, want_tokens = reference
+    assert rel_err(model.logits(prompt), want_logits) <= tol
+    steps = []
+    new = list(model.generate_stream(prompt, len(want_tokens), step_logits=steps))
+    assert new == want_tokens
+    assert rel_err(np.stack(steps), model.logits(prompt + new[:-1])[len(prompt) - 1:]) <= tol

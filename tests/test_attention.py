@@ -69,6 +69,75 @@ def test_chunked_prefill_and_long_decode_match_transformers(windowed):
     np.testing.assert_allclose(np.stack(steps), ref[3:], atol=tol, rtol=0)
 
 
+def test_window_layers_keep_only_their_window(windowed):
+    """A window layer's state is a ring of W rows whatever the context (the full layers'
+    grows with it); sessions at different positions decoded together in one batch (some
+    rows padded or finished early), forked, snapshotted and resumed give the tokens each
+    gives alone; the state cache resumes such a model only at a saved state."""
+    from ftjax.engine.scheduler import Job, Scheduler
+    from ftjax.engine.session import Sampling
+    from ftjax.engine.state_cache import StateCache
+
+    _, path = windowed
+    model = ftjax.load(path, policy="host")
+    kinds = [model.config.layer_kind(i) for i in range(model.config.num_layers)]
+    assert kinds.count("sliding_attention") >= 1 and kinds.count("attention") >= 1
+    s = model.session()
+    s.append([int(t) for t in np.random.RandomState(5).randint(0, 96, size=40)])
+    for kind, layer in zip(kinds, s._state):
+        rows = {a.shape[2] for a in layer.values()}
+        assert rows == ({6} if kind == "sliding_attention" else {s.capacity}), (kind, rows)
+    prompts = [[int(t) for t in np.random.RandomState(i).randint(0, 96, size=n)] for i, n in enumerate((3, 11, 29))]
+    alone = [model.generate(p, 12) for p in prompts]
+    assert model.generate_many(prompts, 12) == alone
+    # continuous batching: rows join and leave (3 rows in a bucket of 4: a padding row)
+    sch, outs = Scheduler(model, max_batch=4, prefill_chunk=4), []
+    for p, n in zip(prompts, (12, 5, 9)):
+        outs.append([])
+        sch.submit(Job(np.asarray(p, np.int32), n, Sampling(), on_token=lambda t, o=outs[-1]: o.append(t) and False,
+                       on_done=lambda r: None))
+        sch.step()
+    while sch.busy():
+        sch.step()
+    assert outs == [a[:n] for a, n in zip(alone, (12, 5, 9))]
+    t = s.fork()
+    snap = s.snapshot()
+    expected = s.generate(10)
+    assert t.generate(10) == expected and model.session(snap).generate(10) == expected
+    cache = StateCache(model, "semantic")
+    assert not cache.cuttable
+    turn = prompts[2] + alone[2]
+    first, reused = cache.prefill(turn)
+    assert reused == 0
+    again, reused = cache.prefill(turn + [7, 8])
+    assert reused == len(turn) and again.generate(5) == model.generate(turn + [7, 8], 5)
+    cache.close()
+
+
+def test_an_inactive_row_leaves_its_window_alone(windowed):
+    """Decode of a batch where row 1 is inactive (a padding or paused row): row 0's new
+    key lands at row start mod W of its ring; row 1's ring is left exactly as it was
+    (its slot still holds a key inside its window)."""
+    from flax import nnx
+
+    from ftjax.models.ops import Step, rope_cos_sin
+
+    _, path = windowed
+    model = ftjax.load(path)
+    cfg = model.config
+    i = next(i for i in range(cfg.num_layers) if cfg.layer_kind(i) == "sliding_attention")
+    attn = nnx.merge(model._graphdef, model._params).layers[i].attn
+    rng = np.random.default_rng(0)
+    ring = {n: jnp.asarray(rng.standard_normal((2, cfg.num_kv_heads, 6, cfg.head_dim)), jnp.float32) for n in "kv"}
+    start = jnp.array([9, 14], jnp.int32)
+    positions = start[:, None]
+    step = Step(positions, start, jnp.array([[True], [False]]), rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta))
+    _, out = attn(jnp.asarray(rng.standard_normal((2, 1, cfg.d_model)), jnp.float32), step, ring)
+    for n in "kv":
+        changed = np.any(np.asarray(out[n]) != np.asarray(ring[n]), axis=(1, 3))  # [B, W]
+        assert changed[0].tolist() == [r == 9 % 6 for r in range(6)] and not changed[1].any(), (n, changed)
+
+
 def test_prompt_longer_than_the_context_is_a_clear_error(windowed):
     _, path = windowed
     model = ftjax.load(path, max_seq_len=64)

@@ -1,7 +1,9 @@
 """GGUF checkpoints (`ftjax.gguf_checkpoint`): tiny HF checkpoints written with
 `write_gguf` load with `ftjax.load(path.gguf)` and equal the folder models (block-format
 experts byte for byte: both sides quantise with the same quantiser, gguf's for Q8_0 / Q4_0,
-ftjax's port of llama.cpp's for Q4_K), the embedded default model's tokenizer and greedy
+ftjax's ports of llama.cpp's for Q4_K / Q6_K; Q4_K_M's Q4_K gate / up with Q6_K down load
+into a pool of two part formats, and its down layers mixing Q4_K and Q6_K into tagged
+blocks), the embedded default model's tokenizer and greedy
 tokens survive the round trip, and bad files fail with an error naming the file and the
 tensor."""
 
@@ -126,11 +128,72 @@ def test_q4_k_experts_kept_as_stored(tiny_q4_k):
         ftjax.load(path, expert_dtype="int4")
 
 
-def test_q4_k_m_mix_names_q6_k(tiny_q4_k, tmp_path):
-    """llama.cpp's Q4_K_M puts Q6_K in some ffn_down_exps: not a pool format, so the error
-    names the tensor and its type (and how to make a one-type file)."""
-    bad = rewrite(tiny_q4_k[1], tmp_path / "bad.gguf", garble={"blk.1.ffn_down_exps.weight": "Q6_K"})
-    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_down_exps\.weight is Q6_K: .*llama-quantize --pure"):
+@pytest.mark.parametrize("policy", ["device", "host"])
+def test_q4_k_m_experts(tiny_q4_k, tmp_path_factory, policy):
+    """llama.cpp's Q4_K_M expert mix (Q4_K gate / up, Q6_K down; the file written through
+    the gguf package) loads into a pool of two part formats, 'q4_k/q6_k', each part holding
+    the file's bytes (dequantised: gguf's dequantisation of them), and gives the logits of
+    the folder model quantised at load to the same formats (the same dequantised weights,
+    the same activation quantisation) under the device and the host policy."""
+    folder, _ = tiny_q4_k
+    path = tmp_path_factory.getbasetemp() / "tiny-q4_k_m.gguf"
+    if not path.exists():
+        write_gguf(folder, path, "Q4_K", down_type="Q6_K")
+    model = ftjax.load(path, policy=policy, threads=2)
+    ref = ftjax.load(folder, expert_dtype="q4_k/q6_k", policy=policy, threads=2)
+    pool = model.checkpoint.pool
+    assert pool.dtype == ref.checkpoint.pool.dtype == "q4_k/q6_k" and model.config == ref.config
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    F = model.config.d_ff_expert
+    for m, bid in enumerate(model.config.moe_layer_ids):
+        gate, down = tensors[f"blk.{bid}.ffn_gate_exps.weight"], tensors[f"blk.{bid}.ffn_down_exps.weight"]
+        assert (gate.tensor_type.name, down.tensor_type.name) == ("Q4_K", "Q6_K")
+        assert np.array_equal(pool.gate_up[m, :, :F], gate.data) and np.array_equal(pool.down[m], down.data)
+        assert np.array_equal(pool.dequantised(m, 2)[1], gguf.quants.dequantize(down.data[2], down.tensor_type))
+    assert pool.down.shape[-1] == F // 256 * 210  # Q6_K: 210 bytes per 256 weights
+    assert np.array_equal(pool.gate_up, ref.checkpoint.pool.gate_up) and np.array_equal(pool.down, ref.checkpoint.pool.down)
+    assert rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 1e-5
+    with pytest.raises(CheckpointError, match=r"expert_dtype 'q4_k' does not match .*\(q4_k/q6_k\)"):
+        ftjax.load(path, expert_dtype="q4_k")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tiny_q4_k, tmp_path_factory):
+    """A GGUF with llama.cpp's Q4_K_M expert types: gate / up Q4_K, down Q6_K in blocks 0
+    and 2 and Q4_K in block 1 (its Q6_K weights dequantised and quantised to Q4_K)."""
+    d = tmp_path_factory.mktemp("q4_k_m")
+    mixed = write_gguf(tiny_q4_k[0], d / "q4_k-q6_k.gguf", "Q4_K", down_type="Q6_K")
+    return rewrite(mixed, d / "q4_k_m.gguf", retype={"blk.1.ffn_down_exps.weight": "Q4_K"})
+
+
+def test_q4_k_m_layer_mix_kept_as_stored(tiny_q4_k_m):
+    """A down part whose layers mix Q4_K and Q6_K is stored as `q4_k_or_q6_k`: every layer's
+    bytes as stored behind its tag, dequantised as gguf dequantises its own type; the device
+    and the host policy give the same logits."""
+    runs = {}
+    for policy in ("device", "host"):
+        model = ftjax.load(tiny_q4_k_m, policy=policy, threads=2)
+        runs[policy] = model.logits(PROMPT)
+    pool = model.checkpoint.pool
+    assert pool.dtype == "q4_k/q4_k_or_q6_k"
+    tensors = {t.name: t for t in gguf.GGUFReader(tiny_q4_k_m).tensors}
+    for m, bid in enumerate(model.config.moe_layer_ids):
+        down = tensors[f"blk.{bid}.ffn_down_exps.weight"]
+        assert down.tensor_type.name == ("Q4_K" if bid == 1 else "Q6_K")
+        blocks = pool.down[m].reshape(*down.data.shape[:-1], -1, 212)
+        n = {"Q4_K": 144, "Q6_K": 210}[down.tensor_type.name]
+        assert (blocks[..., 0] == int(down.tensor_type.name[1])).all()
+        assert np.array_equal(blocks[..., 2:2 + n].reshape(down.data.shape), down.data)
+        assert np.array_equal(pool.dequantised(m, 1)[1], gguf.quants.dequantize(down.data[1], down.tensor_type))
+    assert rel_err(runs["device"], runs["host"]) <= 1e-5
+
+
+def test_other_layer_mix_names_the_tensors(tiny_q4_k, tmp_path):
+    """Other mixes within a part (here Q4_K and Q8_0 layers of ffn_down_exps) are refused:
+    the error names both tensors and their types, and how to make a usable file."""
+    bad = rewrite(tiny_q4_k[1], tmp_path / "bad.gguf", retype={"blk.1.ffn_down_exps.weight": "Q8_0"})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_down_exps\.weight is Q4_K but blk\.1\.ffn_down_exps\.weight "
+                                              r"is Q8_0: .*one format .*llama-quantize --pure"):
         ftjax.load(bad)
 
 
@@ -209,7 +272,7 @@ def test_expert_dtype_must_match_the_file(tiny_q8):
 @pytest.mark.parametrize("retype,message", [
     ({"blk.1.ffn_up_exps.weight": "Q4_1"}, r"blk\.1\.ffn_up_exps\.weight is Q4_1: .*llama-quantize --pure"),
     ({"blk.0.ffn_down_exps.weight": "F16"},
-     r"blk\.0\.ffn_down_exps\.weight is F16 but blk\.0\.ffn_gate_exps\.weight is Q8_0: .*llama-quantize --pure"),
+     r"blk\.0\.ffn_down_exps\.weight is F16 but blk\.1\.ffn_down_exps\.weight is Q8_0: .*llama-quantize --pure"),
 ])
 def test_unsupported_expert_types(tiny_q8, tmp_path, retype, message):
     bad = rewrite(tiny_q8[1], tmp_path / "bad.gguf", retype=retype)

@@ -4,7 +4,8 @@ prompts far longer than the indexer's top-k (6) so each query, in prefill and in
 decode step, attends a strict subset of its keys; bf16 and fused-expert checkpoints; the
 indexer and the masked latent attention against numpy oracles; sessions (piecewise
 append, snapshot / resume, batched rows at different positions, the state cache) on the
-latent + indexer-key cache; the config fields and the values that must be refused.
+latent + indexer-key cache; GLM-5.2's IndexShare (layers reusing the previous indexer's
+selection); the config fields and the values that must be refused.
 
 test_parity's per-family tests cover glm_moe_dsa too (hf_models.FAMILY_CONFIGS): parity
 and greedy tokens on a 20-token prompt, and the packed bf16 checkpoint."""
@@ -50,12 +51,7 @@ def reference(glm5):
 
 def check_against(model, reference, tol=2e-4):
     """Logits of LONG, greedy tokens, and each decode step's logits against the full forward."""
-    want_logits, want_tokens = reference
-    assert rel_err(model.logits(LONG), want_logits) <= tol
-    steps = []
-    new = list(model.generate_stream(LONG, 20, step_logits=steps))
-    assert new == want_tokens
-    assert rel_err(np.stack(steps), model.logits(LONG + new[:-1])[len(LONG) - 1:]) <= tol
+    hf_models.check_against(model, reference, LONG, tol)
 
 
 def test_the_reference_drops_keys(glm5, reference):
@@ -250,9 +246,25 @@ def test_config_fields():
     assert cfg.moe_layers[:4] == (False, False, False, True) and cfg.num_experts == 256
 
 
+def test_index_share_matches_transformers(tmp_path):
+    """GLM-5.2's IndexShare: layers 1 and 3 have no indexer and attend the keys the full
+    layer before them selected (transformers' prev_topk_indices), in prefill and in every
+    decode step, under `device` and `host`; such a model cannot stream one layer per
+    program (the selection passes between layers in one trace)."""
+    hf = hf_models.build(FAMILY, seed=11, num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    path = hf_models.save(hf, tmp_path)
+    model = check_model(hf, path, prompt=LONG, tol=2e-4)
+    assert [model.config.layer_kind(i) for i in range(4)] == ["mla_dsa", "mla_dsa_shared"] * 2
+    assert set(model.new_state(1, 8)[1]) == {"c_kv", "k_pe"}  # no indexer key cache on a shared layer
+    host = check_model(hf, path, prompt=LONG, tol=2e-4, policy="host")
+    assert host._streamed is None
+    with pytest.raises(ValueError, match="streamed"):
+        ftjax.load(path, policy="host", prefill="streamed")
+
+
 @pytest.mark.parametrize("change,named", [
-    (dict(index_topk_freq=4), "shared"),  # GLM-5.2's IndexShare: layers reuse another layer's top-k
-    (dict(indexer_types=["full", "shared", "full"]), "shared"),
+    (dict(indexer_types=["full", "dense", "full"]), "'dense'"),
+    (dict(indexer_types=["shared", "full", "full"]), "first layer must be 'full'"),
     (dict(q_lora_rank=None), "q_lora_rank"),
     (dict(index_head_dim=2), "index_head_dim"),  # narrower than the RoPE dims
     (dict(index_topk=0), "index_topk"),

@@ -72,6 +72,30 @@ def test_prefill_many_tokens_and_duplicates(dtype):
     assert not y[::5].any()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q8_0"])
+@pytest.mark.parametrize("boundary", ["numpy", "ffi_cpu"])
+def test_clamped_swiglu_matches_reference(dtype, boundary):
+    """DeepSeek-V4's clamped SwiGLU (gate <= L, |up| <= L before silu(gate) * up) in the
+    kernel, from numpy and through the FFI handler, equals the reference; with a limit
+    the pre-activations reach, it differs from plain SwiGLU."""
+    rng = np.random.default_rng(7)
+    pool = make_pool(rng, 1, 6, 64, 64, "float32" if dtype == "q8_0" else dtype)
+    if dtype == "q8_0":
+        pool = pool.converted("q8_0")
+    x, ids, weights = make_batch(rng, 5, 3, 64, pool.num_experts)
+    x *= 3.0  # pre-activations of a few units: a limit of 0.5 bites
+    ex = HostExecutor(pool, threads=2, swiglu_limit=0.5)
+    if boundary == "numpy":
+        y = ex.expert_ffn_numpy(x, 0, ids, weights)
+    else:
+        y = np.asarray(jax.jit(lambda *a: ex.expert_ffn(*a, boundary="ffi_cpu"))(x, np.int32(0), ids, weights))
+    fmt = None if dtype != "q8_0" else "q8_0"
+    ref = reference_expert_ffn(pool.gate_up, pool.down, 0, x, ids, weights, fmt, swiglu_limit=0.5)
+    assert_close(y, ref)
+    plain = reference_expert_ffn(pool.gate_up, pool.down, 0, x, ids, weights, fmt)
+    assert np.abs(plain - ref).max() > 10 * 2e-5 * max(1.0, float(np.abs(ref).max()))
+
+
 def test_all_ids_negative_gives_zeros():
     rng = np.random.default_rng(2)
     pool = make_pool(rng, 1, 4, 24, 16, "bfloat16")

@@ -32,7 +32,9 @@ def results(platform="cpu", good=True) -> dict:
                          "meta": {"kind": "text"}, "zipf_s": 1.0}},
         "q_sweep": {"repeats": 3, "shapes": [{"name": "model", "expert_shape": [8, 4], "sweeps": [
             {"m": 8, "q_star": 3, "measured_best_q": 3 if good else 7, "q_star_slowdown": 1.0 if good else 1.5,
-             "measured_q_star_s": 1.0 if good else 4.0, "host_only_s": 2.0, "transfer_only_s": 3.0}]}]},
+             "measured_q_star_s": 1.0 if good else 4.0, "host_only_s": 2.0, "transfer_only_s": 3.0,
+             "calibrated": {"q": 3 if good else 7, "b_p_gbps": 5.0, "b_h_gbps": 12.0,
+                            "slowdown": 1.02 if good else 1.5}}]}]},
         "profiles": {"model": {"b_p_gbps": 5.0, "b_h_gbps": 20.0, "b_p_concurrent_gbps": 5.0,
                                "b_h_concurrent_gbps": 15.0 if good else 5.0, "expert_shape": [8, 4]}},
         "validation": {"calibrated_on": "lru", "rows": [
@@ -54,7 +56,8 @@ def find(vs, fragment) -> tuple[str, str]:
     return hits[0]
 
 
-LINK = ("best split of a layer's misses", "Splitting misses", "B_H - B_P", "Streamed prefill overlaps")
+LINK = ("best split of a layer's misses", "Splitting misses", "B_H - B_P", "Streamed prefill overlaps",
+        "Online calibration settles")
 MEASURED = ("Global LRU misses less", "per-layer partition", "`reuse-rate`", "Consecutive decode tokens",
             "Prefill touches almost every expert", "within 15%")
 RULES = {"Global LRU misses less": "LRU < static-frequency < static-layer",
@@ -62,7 +65,7 @@ RULES = {"Global LRU misses less": "LRU < static-frequency < static-layer",
          "Consecutive decode tokens": "reuse > 1.2x chance", "Prefill touches almost every expert": ">= 90%",
          "within 15%": "|error| <= 15%", "best split of a layer's misses": "max(1, m/8)",
          "Splitting misses": "t(q*) < min(t(0), t(m))", "B_H - B_P": "within 0.2 B_H",
-         "Streamed prefill overlaps": "<= 1.2"}
+         "Streamed prefill overlaps": "<= 1.2", "Online calibration settles": "<= 1.10 t(best)"}
 
 
 @pytest.mark.parametrize("good,expected", [(True, REPRODUCED), (False, REFUTED)])

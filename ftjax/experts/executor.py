@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.experts.policy import Policy, q_table, static_residents
-from ftjax.experts.storage import FORMATS, Format, as_f32, empty_cache, flat_rows, put_expert, take_expert
+from ftjax.experts.storage import Format, as_f32, empty_cache, flat_rows, part_formats, put_expert, take_expert
 
 HIT, FETCHED, HOST, STREAMED = 1, 2, 3, 4
 # Up to this many assignments per record the device FFN is unrolled over the assignments.
@@ -76,25 +76,34 @@ _BATCH_ASSIGNMENTS = 64
 HostFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # (x, layer, ids, w) -> y
 
 
-def swiglu(gate_up: jax.Array, down: jax.Array, x: jax.Array, fmt: Format | None = None) -> jax.Array:
+def swiglu(gate_up: jax.Array, down: jax.Array, x: jax.Array, fmt: Format | dict | None = None,
+           limit: float | None = None) -> jax.Array:
     """One expert: gate_up [2F, D], down [D, F] as stored in `fmt` (None: f32 or bf16
-    bits, told by dtype), x [N, D] -> [N, D]. Block formats dequantise here (the cache
-    and the link hold the small bytes) and meet activations quantised as the host
-    kernels quantise them (`Format.act`), so every placement computes the same sums."""
-    to_f32, act = (fmt.to_f32, fmt.act) if fmt else (as_f32, lambda a: a)
-    gate_up, down = to_f32(gate_up), to_f32(down)
+    bits, told by dtype; a dict {part: Format}, `part_formats`, where the parts differ),
+    x [N, D] -> [N, D]. Block formats dequantise here (the cache and the link hold the
+    small bytes) and meet activations quantised as the host
+    kernels quantise them (`Format.act`), so every placement computes the same sums.
+    limit: clamped SwiGLU (DeepSeek-V4): gate <= limit, |up| <= limit before the product."""
+    fmts = fmt if isinstance(fmt, dict) else {"gate_up": fmt, "down": fmt}  # per part (`part_formats`)
+    (g_f32, g_act), (d_f32, d_act) = ((f.to_f32, f.act) if f else (as_f32, lambda a: a)
+                                      for f in (fmts["gate_up"], fmts["down"]))
+    gate_up, down = g_f32(gate_up), d_f32(down)
     F = down.shape[-1]
-    h = act(x) @ gate_up.T  # [N, 2F]
-    return act(jax.nn.silu(h[:, :F]) * h[:, F:]) @ down.T
+    h = g_act(x) @ gate_up.T  # [N, 2F]
+    gate, up = h[:, :F], h[:, F:]
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return d_act(jax.nn.silu(gate) * up) @ down.T
 
 
 def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Array, weights: jax.Array, *,
-               row_range: tuple[int, int] | None = None, fmt: Format | None = None) -> jax.Array:
+               row_range: tuple[int, int] | None = None, fmt: Format | None = None,
+               limit: float | None = None) -> jax.Array:
     """y [N, D] = Σ_k weights[n,k] · expert_{rows[n,k]}(x[n]); rows index gate_up/down's
     first axis ([R, 2F, D], [R, D, F]); rows < 0 are skipped. row_range = (first, count):
     the rows that can occur (default: all), so a caller can pass a whole pool
     ([Lm*E, ...], a free reshape) instead of a layer's slice, which XLA would copy.
-    fmt: the weight format (see `swiglu`)."""
+    fmt, limit: the weight format and the optional clamp (see `swiglu`)."""
     N, K = rows.shape
     x32 = x.astype(jnp.float32)
     if N * K <= _FEW_ASSIGNMENTS:
@@ -108,12 +117,12 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
                 def run(y, n=n, k=k, r=r):
                     g = jax.lax.dynamic_index_in_dim(gate_up, r, keepdims=False)
                     d = jax.lax.dynamic_index_in_dim(down, r, keepdims=False)
-                    return y.at[n].add(weights[n, k].astype(jnp.float32) * swiglu(g, d, x32[n:n + 1], fmt)[0])
+                    return y.at[n].add(weights[n, k].astype(jnp.float32) * swiglu(g, d, x32[n:n + 1], fmt, limit)[0])
 
                 y = jax.lax.cond(r >= 0, run, lambda y: y, y)
         return y.astype(x.dtype)
     if N * K <= _BATCH_ASSIGNMENTS:
-        return _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt).astype(x.dtype)
+        return _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt, limit).astype(x.dtype)
 
     first, R = row_range or (0, gate_up.shape[0])
     # combine [N, R]: routing weight of each token for each candidate row (0 when unused)
@@ -123,7 +132,7 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
 
     def per_row(y, r):  # scan over rows: each used expert streams once for all tokens
         def run(y):
-            out = swiglu(gate_up[first + r], down[first + r], x32, fmt)
+            out = swiglu(gate_up[first + r], down[first + r], x32, fmt, limit)
             return y + combine[:, r][:, None] * out
         return jax.lax.cond(used[r], run, lambda y: y, y), None
 
@@ -131,7 +140,7 @@ def device_ffn(gate_up: jax.Array, down: jax.Array, x: jax.Array, rows: jax.Arra
     return y.astype(x.dtype)
 
 
-def _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt):
+def _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt, limit=None):
     """Batched decode: a loop over the A = N*K assignments that runs each distinct row once
     (at its first occurrence) on all N tokens, weighted per token (0 where unused): every
     selected expert is read once per record, whatever the batch."""
@@ -146,7 +155,7 @@ def _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt):
         def run(y):
             g = jax.lax.dynamic_index_in_dim(gate_up, flat[i], keepdims=False)
             d = jax.lax.dynamic_index_in_dim(down, flat[i], keepdims=False)
-            return y + combine[i][:, None] * swiglu(g, d, x32, fmt)
+            return y + combine[i][:, None] * swiglu(g, d, x32, fmt, limit)
         return jax.lax.cond(first[i], run, lambda y: y, y), None
 
     y, _ = jax.lax.scan(body, jnp.zeros_like(x32), jnp.arange(flat.shape[0]))
@@ -355,10 +364,11 @@ class Executor:
 
     def __init__(self, policy: Policy, *, num_layers: int, num_experts: int, slots: int,
                  transfer_ratio: float, host_fn: HostFn | None, residents: np.ndarray | None = None,
-                 weight_format: str = "float32"):
+                 weight_format: str = "float32", swiglu_limit: float | None = None):
         self.policy, self.num_layers, self.num_experts = policy, num_layers, num_experts
+        self.swiglu_limit = swiglu_limit  # clamped SwiGLU on the device (the host_fn must clamp alike)
         self.weight_format = weight_format
-        self.fmt = FORMATS[weight_format]
+        self.fmt = part_formats(weight_format)
         self.slots = slots if policy.uses_slots else 0
         if policy.uses_slots and not 1 <= self.slots <= num_layers * num_experts:
             raise ValueError(f"cache_slots must be in 1..{num_layers * num_experts} for policy {policy.name!r}, got {slots}")
@@ -410,7 +420,7 @@ class Executor:
             flat = flat_rows(pool)  # [Lm*E, ...]: no copy
             rows = jnp.where(ids >= 0, layer * E + ids, -1)
             y = device_ffn(flat["gate_up"], flat["down"], x, rows, weights, row_range=(layer * E, E),
-                           fmt=self.fmt)
+                           fmt=self.fmt, limit=self.swiglu_limit)
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
         if self.policy.name == "host":
             y = self._host_part(x, layer, ids, weights)
@@ -439,7 +449,7 @@ class Executor:
         slot = slot_of[base + safe]  # [N, K]
         dev_rows = jnp.where(ids >= 0, slot, -1)
         host_ids = jnp.where((ids >= 0) & (slot < 0), ids, -1)
-        y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.fmt)
+        y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.fmt, limit=self.swiglu_limit)
         y = y + self._host_part(x, layer, host_ids, weights).astype(y.dtype)
         return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
                    "t": t, "codes": state["codes"].at[layer].set(codes)}
@@ -466,17 +476,18 @@ class Executor:
             slot = state["slot_of"][layer * self.num_experts + jnp.arange(self.num_experts)]
             hit = sel & (slot >= 0)
             rows = jnp.where((ids >= 0) & hit[safe], slot[safe], -1)
-            y = device_ffn(state["cache"]["gate_up"], state["cache"]["down"], x, rows, weights, fmt=self.fmt)
+            y = device_ffn(state["cache"]["gate_up"], state["cache"]["down"], x, rows, weights, fmt=self.fmt,
+                           limit=self.swiglu_limit)
         rows = jnp.where((ids >= 0) & ~hit[safe], ids, -1)
-        y = y + device_ffn(block["gate_up"], block["down"], x, rows, weights, fmt=self.fmt)
+        y = y + device_ffn(block["gate_up"], block["down"], x, rows, weights, fmt=self.fmt, limit=self.swiglu_limit)
         codes = jnp.where(hit, HIT, jnp.where(sel, STREAMED, 0)).astype(jnp.int8)
         return y, {**state, "codes": state["codes"].at[layer].set(codes)}
 
 
 def make_executor(policy: Policy, *, num_layers: int, num_experts: int, slots: int, transfer_ratio: float,
                   host_fn: HostFn | None, frequency: np.ndarray | None = None,
-                  weight_format: str = "float32") -> Executor:
+                  weight_format: str = "float32", swiglu_limit: float | None = None) -> Executor:
     residents = static_residents(policy, slots, num_layers, num_experts, frequency)
     return Executor(policy, num_layers=num_layers, num_experts=num_experts, slots=slots,
                     transfer_ratio=transfer_ratio, host_fn=host_fn, residents=residents,
-                    weight_format=weight_format)
+                    weight_format=weight_format, swiglu_limit=swiglu_limit)

@@ -10,8 +10,9 @@ F expert FFN dim.
 Every weight row is one contiguous dot product, so a kernel streams an expert
 front to back. Storage is float32, bfloat16 kept as its uint16 bit pattern (numpy has
 no bf16 arithmetic and XLA CPU would convert whole buffers), or a GGUF block format
-(q8_0 / q4_0: each row a run of 32-weight blocks, q4_k: of 256-weight super-blocks; uint8
-[..., bytes(row)]); formats
+(q8_0 / q4_0 / mxfp4: each row a run of 32-weight blocks, q4_k / q6_k: of 256-weight
+super-blocks, fp8_e4m3: of 128-weight blocks; uint8 [..., bytes(row)]); the two parts may
+have different formats (dtype 'q4_k/q6_k': a GGUF Q4_K_M file); formats
 are described in `ftjax.experts.storage`. Arrays are 64-byte aligned, which lets `jax.device_put`
 alias them on the CPU backend and keeps SIMD loads on cache lines, and they are
 read-only once built: the FFI handler holds raw pointers into them.
@@ -24,10 +25,11 @@ import dataclasses
 import numpy as np
 
 from ftjax.experts.storage import (  # noqa: F401  (re-exported: older imports)
-    FORMATS, QUANTISED_ALIASES, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, to_bf16_bits)
+    FORMATS, QUANTISED_ALIASES, bf16_bits_to_f32, canonical_dtype, expert_bytes, expert_parts, part_formats,
+    pool_format, to_bf16_bits)
 
 ALIGNMENT = 64
-DTYPES = tuple(FORMATS)  # float32, bfloat16, q8_0, q4_0, q4_k
+DTYPES = tuple(FORMATS)  # float32, bfloat16, q8_0, q4_0, q4_k, q6_k, mxfp4, fp8_e4m3 (or a pair: `pool_format`)
 
 
 def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -74,32 +76,37 @@ class HostExpertPool:
 
     gate_up: np.ndarray  # [Lm, E, 2F, D] (block formats: [Lm, E, 2F, bytes(D)] uint8)
     down: np.ndarray  # [Lm, E, D, F] (block formats: [Lm, E, D, bytes(F)] uint8)
-    dtype: str  # a format name of `ftjax.experts.storage.FORMATS`
+    dtype: str  # a format name of `ftjax.experts.storage.FORMATS`, or 'gate_up/down' (`pool_format`)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        fmt = FORMATS[self.dtype]
+        try:
+            if canonical_dtype(self.dtype) != self.dtype:
+                raise ValueError
+            fmts = part_formats(self.dtype)
+        except ValueError:
+            raise ValueError(f"dtype must be one of {DTYPES} (or 'gate_up_format/down_format'), "
+                             f"got {self.dtype!r}") from None
         lm, e, two_f, _ = self.gate_up.shape
-        d = fmt.row_len(self.gate_up.shape[3])
-        if (two_f % 2 or self.gate_up.shape[3] != fmt.stored_shape((d,))[0]
-                or self.down.shape != (lm, e, d, fmt.stored_shape((two_f // 2,))[0])):
+        d = fmts["gate_up"].row_len(self.gate_up.shape[3])
+        if (two_f % 2 or self.gate_up.shape[3] != fmts["gate_up"].stored_shape((d,))[0]
+                or self.down.shape != (lm, e, d, fmts["down"].stored_shape((two_f // 2,))[0])):
             raise ValueError(
                 f"gate_up {self.gate_up.shape} and down {self.down.shape} are not "
                 f"[Lm, E, 2F, D] and [Lm, E, D, F] stored as {self.dtype}"
             )
-        for a in (self.gate_up, self.down):
-            if a.dtype != fmt.storage or not a.flags.c_contiguous or not is_aligned(a):
+        for part, a in self.parts.items():
+            if a.dtype != fmts[part].storage or not a.flags.c_contiguous or not is_aligned(a):
                 raise ValueError("pool arrays must be C-contiguous, 64-byte aligned storage dtype")
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, d_model: int, d_ff: int,
                  dtype: str = "bfloat16") -> HostExpertPool:
         """Writable, uninitialised pool for a loader to fill; call `freeze()` after."""
-        fmt = FORMATS[canonical_dtype(dtype)]
-        gate_up = aligned_empty(fmt.stored_shape((num_layers, num_experts, 2 * d_ff, d_model)), fmt.storage)
-        down = aligned_empty(fmt.stored_shape((num_layers, num_experts, d_model, d_ff)), fmt.storage)
-        return cls(gate_up, down, fmt.name)
+        fmts = part_formats(dtype)
+        gate_up = aligned_empty(fmts["gate_up"].stored_shape((num_layers, num_experts, 2 * d_ff, d_model)),
+                                fmts["gate_up"].storage)
+        down = aligned_empty(fmts["down"].stored_shape((num_layers, num_experts, d_model, d_ff)), fmts["down"].storage)
+        return cls(gate_up, down, canonical_dtype(dtype))
 
     @classmethod
     def from_arrays(cls, gate_up: np.ndarray, down: np.ndarray, dtype: str | None = None) -> HostExpertPool:
@@ -107,7 +114,7 @@ class HostExpertPool:
         ml_dtypes.bfloat16; or, with dtype = a block format, uint8 arrays of its blocks.
         Copied only if unaligned or not contiguous; otherwise the pool shares their memory
         and the caller must not write to them afterwards."""
-        if dtype is not None and FORMATS[canonical_dtype(dtype)].block > 1:
+        if dtype is not None and any(f.block > 1 for f in part_formats(dtype).values()):
             return cls(_aligned(np.asarray(gate_up)), _aligned(np.asarray(down)), canonical_dtype(dtype)).freeze()
         gate_up, dtype = _as_storage(gate_up)
         down, down_dtype = _as_storage(down)
@@ -118,18 +125,18 @@ class HostExpertPool:
     def converted(self, dtype: str) -> HostExpertPool:
         """A new frozen pool holding these experts in another format (quantising through
         float32; a layer at a time, so the float32 copy is one layer's)."""
-        fmt = FORMATS[canonical_dtype(QUANTISED_ALIASES.get(dtype, dtype))]
-        out = HostExpertPool.allocate(self.num_layers, self.num_experts, self.d_model, self.d_ff, fmt.name)
-        src = FORMATS[self.dtype]
+        name = "/".join(QUANTISED_ALIASES.get(n, n) for n in dtype.split("/"))
+        out = HostExpertPool.allocate(self.num_layers, self.num_experts, self.d_model, self.d_ff, name)
+        src, dst = part_formats(self.dtype), part_formats(out.dtype)
         for m in range(self.num_layers):
-            out.gate_up[m] = fmt.from_f32_numpy(src.to_f32_numpy(self.gate_up[m]))
-            out.down[m] = fmt.from_f32_numpy(src.to_f32_numpy(self.down[m]))
+            for part in dst:
+                getattr(out, part)[m] = dst[part].from_f32_numpy(src[part].to_f32_numpy(getattr(self, part)[m]))
         return out.freeze()
 
     def dequantised(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray]:
         """Expert (layer, e) as float32: gate_up [2F, D], down [D, F] (numpy twins)."""
-        fmt = FORMATS[self.dtype]
-        return fmt.to_f32_numpy(self.gate_up[layer, e]), fmt.to_f32_numpy(self.down[layer, e])
+        fmts = part_formats(self.dtype)
+        return fmts["gate_up"].to_f32_numpy(self.gate_up[layer, e]), fmts["down"].to_f32_numpy(self.down[layer, e])
 
     def freeze(self) -> HostExpertPool:
         self.gate_up.flags.writeable = False
@@ -150,7 +157,7 @@ class HostExpertPool:
 
     @property
     def d_model(self) -> int:
-        return FORMATS[self.dtype].row_len(self.gate_up.shape[3])
+        return part_formats(self.dtype)["gate_up"].row_len(self.gate_up.shape[3])
 
     @property
     def d_ff(self) -> int:

@@ -50,6 +50,7 @@ import numpy as np
 
 from ftjax.experts.executor import copy_expert
 from ftjax.experts.pool import HostExpertPool, canonical_dtype, to_bf16_bits
+from ftjax.experts.storage import BLOCK_FORMATS
 from ftjax.runinfo import cpu_model, git_commit
 from ftjax.host import HostExecutor, default_threads, pool_view, read_bandwidth_gbps
 
@@ -398,7 +399,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Measure B_P (host->device) and B_H (host kernel) bandwidth.")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--threads", type=int, default=None, help="host kernel threads (default: every usable core)")
-    p.add_argument("--dtype", choices=["bf16", "f32"], default="bf16", help="expert weight dtype (default: bf16)")
+    p.add_argument("--dtype", choices=["bf16", "f32", *BLOCK_FORMATS], default="bf16",
+                   help="expert weight format (default: bf16; a block format: the profile is in its bytes)")
     p.add_argument("--shape", type=int, nargs=2, metavar=("D", "F"), default=list(DEFAULT_SHAPE),
                    help=f"expert shape (default: {DEFAULT_SHAPE[0]} {DEFAULT_SHAPE[1]}, Qwen3-30B-A3B)")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
@@ -412,7 +414,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main_profile(argv: list[str] | None = None) -> int:
-    """`ftjax profile [--json] [--threads N] [--dtype bf16|f32] [--shape D F]`."""
+    """`ftjax profile [--json] [--threads N] [--dtype bf16|f32|q8_0|...|fp8_e4m3] [--shape D F]`."""
     args = _parser().parse_args(argv)
     pool_bytes = int(args.working_set_mib * 2**20) if args.working_set_mib else None
     result = measure(tuple(args.shape), args.dtype, args.threads, top_k=args.top_k, seconds=args.seconds,

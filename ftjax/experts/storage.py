@@ -19,10 +19,23 @@ Two things live here.
        q4_k       uint8     144/256 = 0.56 GGUF Q4_K super-blocks: 8 sub-blocks of 32,
                                            w = d * sc_j * nibble - dmin * m_j
                                            (load(expert_dtype="q4_k"))
+       q6_k       uint8     210/256 = 0.82 GGUF Q6_K super-blocks: 16 sub-blocks of 16,
+                                           w = d * scale_j * (q - 32), q 6 bits
+       mxfp4      uint8     17/32 = 0.53   GGUF MXFP4 (OCP microscaling): 32 e2m1 values
+                                           share an e8m0 exponent, w = 2^(e-127) * e2m1
+       fp8_e4m3   uint8     132/128 = 1.03 DeepSeek-V3's FP8: rows of 128-weight blocks
+                                           {f32 scale of the 128 x 128 tile, 128 e4m3fn}
+       q4_k_or_q6_k uint8   212/256 = 0.83 a Q4_K or a Q6_K super-block behind a tag byte
+                                           (GGUF Q4_K_M's ffn_down_exps, see below)
+
+   Relative Frobenius error of one expert FFN's output against the bf16 experts it was
+   quantised from (random Gaussian experts, D = F = 256, weights and activations as each
+   format computes them; tests/test_quant.py): q8_0 1.5%, q4_0 15%, q4_k 12.6%, q6_k 3.3%,
+   mxfp4 20%, fp8_e4m3 4.6% (float activations: the weights' 3 mantissa bits alone).
 
    The block formats keep GGUF's bytes exactly: a matrix [rows, n] is stored as uint8
    [rows, n/block * block_bytes], each row a run of blocks, so quantising at load and
-   reading a .gguf file's Q8_0 / Q4_0 / Q4_K tensors give the same pool, and the host
+   reading a .gguf file's Q8_0 / Q4_0 / Q4_K / Q6_K / MXFP4 tensors give the same pool, and the host
    kernels (host_kernels/kernels.h) read any of them in place. Group size 32 with f16
    scales is GGUF's choice: an f16 scale costs what a bf16 one does and keeps 3 more
    mantissa bits. Q8_0 / Q4_0 quantisation is the `gguf` package's (the reference
@@ -44,9 +57,58 @@ Two things live here.
        bytes 16-143 128 bytes of nibbles: byte 32c + i holds weight 64c + i (low nibble,
                     sub-block 2c) and weight 64c + 32 + i (high nibble, sub-block 2c + 1)
 
-   Every block format meets activations quantised to int8 per 32 values (`act_q8`): a
+   Q6_K, one 210-byte super-block of 256 weights (GGUF's block_q6_K):
+
+       bytes 0-127   ql: low 4 bits of the 6-bit levels q (0..63)
+       bytes 128-191 qh: high 2 bits
+       bytes 192-207 16 int8 scales, one per sub-block of 16 consecutive weights
+       bytes 208-209 d    f16
+       weight 128h + 32k + l (h < 2, k < 4, l < 32): low bits in ql[64h + 32(k & 1) + l]
+       (low nibble for k < 2, high nibble for k >= 2), high bits (qh[32h + l] >> 2k) & 3
+
+   The gguf package only dequantises Q6_K; `quantise_q6_k` is llama.cpp's
+   quantize_row_q6_K_ref in vectorised numpy (the same bytes: checked against libggml-base).
+
+   MXFP4, one 17-byte block of 32 weights (GGUF's block_mxfp4, the OCP MX format of
+   gpt-oss's `*_blocks` / `*_scales` tensors): byte 0 the e8m0 exponent e (scale 2^(e-127)),
+   bytes 1-16 the e2m1 nibbles as Q4_0 lays them out (weight i < 16 the low nibble of byte
+   1 + i, weight i >= 16 the high nibble of byte 1 + i - 16). e2m1 values doubled are the
+   integers {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so with a scale of 2^(e-128) a block is
+   an int8 dot (llama.cpp's MXFP4 path). Quantiser and dequantiser: the gguf package's.
+   `mxfp4_blocks` relays gpt-oss's tensors into these rows (a nibble permutation); loading
+   them as stored awaits a supported family that ships them.
+
+   fp8_e4m3, one 132-byte block of 128 weights (ftjax's layout, not a GGUF type):
+
+       bytes 0-3     f32 scale: the weight_scale_inv of the 128 x 128 tile the block lies in
+       bytes 4-131   128 float8_e4m3fn values as stored, w = e4m3 * scale
+
+   DeepSeek-V3's checkpoints keep one scale per 128 x 128 tile; a row copies its tile's
+   scale into each of its blocks (`fp8_blocks`: a relayout of the scales, 3% more bytes,
+   so a row is self-contained like a GGUF row and the kernels stream one row at a time).
+   `quantise_fp8_e4m3` is DeepSeek's scheme: scale = tile amax / 448, q = e4m3(w / scale).
+   FP8 weights meet float32 activations (its `act` is the identity): e4m3 levels are not
+   8-bit integers, and the host kernel converts e4m3 to float in registers (exactly,
+   through f16) at no cost to a memory-bound row stream.
+
+   Every other block format meets activations quantised to int8 per 32 values (`act_q8`): a
    Q4_K sub-block of 32 is then one integer dot and one integer sum,
    d*sc_j*d_x*sum(q*q_x) - dmin*m_j*d_x*sum(q_x), which is how the host kernel computes it.
+
+   A pool's two expert parts may have different formats (`pool_format`: 'q4_k/q6_k' is a
+   GGUF file's gate / up in Q4_K and down in Q6_K; `part_formats` splits the name).
+   The layers of one part share its format. llama.cpp's Q4_K_M gives ffn_down_exps Q6_K on
+   some layers and Q4_K on the others, and neither format holds the other's blocks (Q4_K's
+   per-sub-block min is off Q6_K's grid; only float32 holds both exactly), so such a part
+   is stored as `q4_k_or_q6_k`: each 256-weight super-block as stored behind a tag,
+
+       byte 0        tag: 4 (Q4_K) or 6 (Q6_K)
+       byte 1        0
+       bytes 2-211   a Q6_K block, or a Q4_K block (bytes 2-145) and 66 zero bytes
+
+   (212 bytes / 256 = 0.83 a weight: a Q4_K layer pays Q6_K's width, +47%; all of a layer's
+   blocks share a tag, so the kernels' branch per block is always predicted; the device
+   decodes both ways and selects). `tagged_k_blocks` builds it from GGUF bytes.
 
 2. **Expert parts.** A routed expert is the pytree `{"gate_up": [2F, D], "down": [D, F]}`
    (the Hugging Face fused layout: gate_up rows 0..F-1 gate, F..2F-1 up). The host pool
@@ -93,8 +155,14 @@ def _bf16_to_f32(w: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32)
 
 
-QUANT_BLOCK = 32  # weights per block of Q8_0 / Q4_0, per sub-block of Q4_K, per activation block
+QUANT_BLOCK = 32  # weights per block of Q8_0 / Q4_0 / MXFP4, per sub-block of Q4_K, per activation block
 Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights and bytes of one Q4_K super-block
+Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # weights and bytes of one Q6_K super-block
+Q46_K_BYTES = 212  # bytes of one tagged Q4_K-or-Q6_K super-block (q4_k_or_q6_k)
+Q46_K_TAGS = {"q4_k": 4, "q6_k": 6}  # its tag byte
+MXFP4_BYTES = 17  # bytes of one MXFP4 block of 32 weights
+FP8_BLOCK, FP8_BYTES = 128, 132  # weights and bytes of one fp8_e4m3 row block (f32 scale + 128 bytes)
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def _block_scales(blocks: jax.Array) -> jax.Array:
@@ -137,6 +205,59 @@ def _q4_k_to_f32(w: jax.Array) -> jax.Array:
     scale = (d * sc.astype(jnp.float32))[..., None]  # [..., nb, 8, 1]
     offset = (dmin * m.astype(jnp.float32))[..., None]
     return (scale * q.astype(jnp.float32) - offset).reshape(*w.shape[:-1], -1)
+
+
+def _q6_k_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*210] uint8 -> [..., rows, nb*256] float32 (device, XLA); gguf's float32
+    operations: (d * scale_j) * (q - 32)."""
+    blocks = w.reshape(*w.shape[:-1], -1, Q6_K_BYTES)
+    lead = blocks.shape[:-1]
+    ql = blocks[..., :128].reshape(*lead, 2, 1, 64)  # [..., nb, half, 1, 64]
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)  # [..., nb, half, 1, 32]
+    sc = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)  # [..., nb, 16]
+    d = jax.lax.bitcast_convert_type(blocks[..., 208:210], jnp.float16).astype(jnp.float32)  # [..., nb]
+    low = jnp.concatenate([ql & 0xF, ql >> 4], axis=-2).reshape(*lead, 2, 4, 32)  # quarter k of a half
+    high = jnp.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2)  # [..., nb, half, 4, 32]
+    q = (low | (high << 4)).astype(jnp.float32) - 32.0
+    scale = (d[..., None] * sc).reshape(*lead, 16, 1)  # [..., nb, 16, 1]
+    return (scale * q.reshape(*lead, 16, 16)).reshape(*w.shape[:-1], -1)
+
+
+def _q4_k_or_q6_k_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*212] uint8 -> [..., rows, nb*256] float32 (device, XLA): each block
+    decoded both ways and the one its tag names kept (a layer's blocks share a tag)."""
+    blocks = w.reshape(*w.shape[:-1], -1, Q46_K_BYTES)
+    q4 = _q4_k_to_f32(blocks[..., 2:2 + Q4_K_BYTES])  # [..., nb, 256]
+    q6 = _q6_k_to_f32(blocks[..., 2:])
+    return jnp.where(blocks[..., :1] == Q46_K_TAGS["q6_k"], q6, q4).reshape(*w.shape[:-1], -1)
+
+
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1 nibble -> 2 x value
+
+
+def _e8m0_half(e: jax.Array) -> jax.Array:
+    """e8m0 exponent bytes -> 2^(e - 128) float32 (half the block scale: the nibble values
+    are doubled), ggml's e8m0_to_fp32_half bit for bit (e < 2: f32 subnormals)."""
+    e = e.astype(jnp.uint32)
+    bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _mxfp4_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*17] uint8 -> [..., rows, nb*32] float32 (device, XLA)."""
+    blocks = w.reshape(*w.shape[:-1], -1, MXFP4_BYTES)
+    qs = blocks[..., 1:]  # [..., nb, 16]
+    nib = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [..., nb, 32]
+    v = jnp.asarray(MXFP4_VALUES, jnp.float32)[nib]
+    return (v * _e8m0_half(blocks[..., 0])[..., None]).reshape(*w.shape[:-1], -1)
+
+
+def _fp8_e4m3_to_f32(w: jax.Array) -> jax.Array:
+    """[..., rows, nb*132] uint8 -> [..., rows, nb*128] float32 (device, XLA): e4m3 * scale."""
+    blocks = w.reshape(*w.shape[:-1], -1, FP8_BYTES)
+    scale = jax.lax.bitcast_convert_type(blocks[..., :4], jnp.float32)[..., None]  # [..., nb, 1]
+    q = jax.lax.bitcast_convert_type(blocks[..., 4:], jnp.float8_e4m3fn).astype(jnp.float32)  # [..., nb, 128]
+    return (q * scale).reshape(*w.shape[:-1], -1)
 
 
 def _nearest_int(a: np.ndarray) -> np.ndarray:
@@ -213,6 +334,19 @@ def _qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int = 15, rmin: float
 Q4_K_CHUNK = 1 << 14  # super-blocks quantised at once (4M weights: temporaries of 16 MiB)
 
 
+def _by_super_blocks(a: np.ndarray, name: str, block: int, block_bytes: int, quantise_blocks) -> np.ndarray:
+    """float32 [..., n] (n % block == 0) -> uint8 [..., n/block * block_bytes]: rows cut into
+    super-blocks, quantised Q4_K_CHUNK at a time by quantise_blocks ([N, block] -> [N, block_bytes])."""
+    a = np.asarray(a, np.float32)
+    if a.shape[-1] % block:
+        raise ValueError(f"{name} needs rows of a multiple of {block} weights, got {a.shape[-1]}")
+    x = a.reshape(-1, block)  # [N, block] super-blocks
+    out = np.empty((x.shape[0], block_bytes), np.uint8)
+    for c in range(0, x.shape[0], Q4_K_CHUNK):
+        out[c:c + Q4_K_CHUNK] = quantise_blocks(x[c:c + Q4_K_CHUNK])
+    return out.reshape(*a.shape[:-1], -1)
+
+
 def quantise_q4_k(a: np.ndarray) -> np.ndarray:
     """float32 [..., n] (n % 256 == 0) -> GGUF Q4_K bytes uint8 [..., n/256 * 144]: llama.cpp's
     quantize_row_q4_K_ref in vectorised numpy, the same float32 operations in the same
@@ -222,14 +356,7 @@ def quantise_q4_k(a: np.ndarray) -> np.ndarray:
     (av_x + |x|)-weighted best (scale, min) of `_qkx2_quants`; per super-block the scales
     and mins quantised to 6 bits against d = max scale / 63 and dmin = max min / 63 (f16);
     then every weight requantised to the nibble nearest (x + dmin*m_j) / (d*sc_j)."""
-    a = np.asarray(a, np.float32)
-    if a.shape[-1] % Q4_K_BLOCK:
-        raise ValueError(f"q4_k needs rows of a multiple of {Q4_K_BLOCK} weights, got {a.shape[-1]}")
-    x = a.reshape(-1, Q4_K_BLOCK)  # [N, 256] super-blocks
-    out = np.empty((x.shape[0], Q4_K_BYTES), np.uint8)  # [N, 144]
-    for c in range(0, x.shape[0], Q4_K_CHUNK):
-        out[c:c + Q4_K_CHUNK] = _quantise_q4_k_blocks(x[c:c + Q4_K_CHUNK])
-    return out.reshape(*a.shape[:-1], -1)
+    return _by_super_blocks(a, "q4_k", Q4_K_BLOCK, Q4_K_BYTES, _quantise_q4_k_blocks)
 
 
 def _quantise_q4_k_blocks(x: np.ndarray) -> np.ndarray:
@@ -261,6 +388,167 @@ def _quantise_q4_k_blocks(x: np.ndarray) -> np.ndarray:
     qs = (L[:, 0::2] | (L[:, 1::2] << 4)).reshape(N, -1)  # [N, 128]: sub-block 2c low nibbles, 2c+1 high
     return np.concatenate([d16.view(np.uint8).reshape(N, 2), dmin16.view(np.uint8).reshape(N, 2), packed, qs],
                           axis=-1)
+
+
+def _make_qx_quants(x: np.ndarray, nmax: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's make_qx_quants(n, nmax, x, L, rmse_type=1, NULL) over G groups at once,
+    group-minor: x [n, G] float32 -> (scale [G], L [n, G] int levels in 0..2*nmax-1).
+    Levels of the inverse scale -nmax / max (max: the value of largest |x|), then 18 more
+    candidates -(nmax + 0.1*is) / max, is = -9..9, each kept if its x^2-weighted
+    least-squares fit is better (sumlx^2 / suml2 larger), all in float32 in C's order."""
+    f32 = np.float32
+    idx = np.abs(x).argmax(axis=0)  # the first of equal |x|, as C's `>` keeps
+    mx = x[idx, np.arange(x.shape[1])]
+    live = np.abs(mx) >= f32(1e-15)  # GROUP_MAX_EPS
+    mx = np.where(live, mx, f32(1))
+    w = x * x
+
+    def fit(iscale):
+        lv = np.clip(np.rint(iscale * x), -nmax, nmax - 1)
+        wl = w * x * lv  # (w * x) * l, as C evaluates w*x[i]*l
+        return lv, _seq_sum(wl), _seq_sum(w * lv * lv)
+
+    lv, sumlx, suml2 = fit(f32(-nmax) / mx)
+    scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, f32(1)), f32(0))
+    best = scale * sumlx
+    L = lv
+    for i in range(-9, 10):
+        if i == 0:
+            continue
+        lv, sumlx, suml2 = fit(-(f32(nmax) + f32(0.1) * f32(i)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better, lv, L)
+        scale = np.where(better, sumlx / np.where(better, suml2, f32(1)), scale)
+        best = np.where(better, scale * sumlx, best)
+    return np.where(live, scale, f32(0)), np.where(live, L + nmax, 0).astype(np.int32)
+
+
+def quantise_q6_k(a: np.ndarray) -> np.ndarray:
+    """float32 [..., n] (n % 256 == 0) -> GGUF Q6_K bytes uint8 [..., n/256 * 210]: llama.cpp's
+    quantize_row_q6_K_ref in vectorised numpy (the gguf package only dequantises Q6_K), the
+    same float32 operations in the same order, so the same bytes (checked against
+    libggml-base's quantize_row_q6_K_ref, see tests/test_quant.py). Per sub-block of 16 the
+    x^2-weighted best scale of `_make_qx_quants` (6-bit levels -32..31); per super-block the
+    16 scales quantised to int8 against d = -max_scale / 128 (f16, max_scale the scale of
+    largest |.|); then every weight requantised to the level nearest x / (d * scale_j)."""
+    return _by_super_blocks(a, "q6_k", Q6_K_BLOCK, Q6_K_BYTES, _quantise_q6_k_blocks)
+
+
+def _quantise_q6_k_blocks(x: np.ndarray) -> np.ndarray:
+    """[N, 256] float32 -> [N, 210] uint8 (see `quantise_q6_k`)."""
+    f32 = np.float32
+    N = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(N * 16, 16).T)  # [16, N*16]: sub-blocks, group-minor
+    scales, L = _make_qx_quants(sub)
+    scales = scales.reshape(N, 16)
+    L = L.T.reshape(N, 16, 16)  # levels 0..63 of the fit (kept where a quantised scale is 0)
+    pick = np.abs(scales).argmax(axis=-1)  # the first of equal |scale|, as C's `>` keeps
+    max_scale = scales[np.arange(N), pick]
+    live = np.abs(max_scale) >= f32(1e-15)  # GROUP_MAX_EPS: else an all-zero block
+    iscale = f32(-128) / np.where(live, max_scale, f32(1))
+    d16 = np.where(live, f32(1) / iscale, f32(0)).astype(np.float16)
+    sc = np.minimum(127, _nearest_int(iscale[:, None] * scales)).astype(np.int8)  # [N, 16]
+    d = d16.astype(f32)[:, None] * sc.astype(f32)  # [N, 16]
+    nz = d != 0
+    requant = np.clip(np.rint(x.reshape(N, 16, 16) / np.where(nz, d, f32(1))[..., None]), -32, 31) + 32
+    L = np.where(nz[..., None], requant, L).astype(np.uint8).reshape(N, 2, 4, 32)  # [N, half, quarter, 32]
+    ql = np.concatenate([L[:, :, 0] & 0xF | (L[:, :, 2] & 0xF) << 4,
+                         L[:, :, 1] & 0xF | (L[:, :, 3] & 0xF) << 4], axis=-1).reshape(N, 128)
+    qh = (L[:, :, 0] >> 4 | (L[:, :, 1] >> 4) << 2 | (L[:, :, 2] >> 4) << 4 | (L[:, :, 3] >> 4) << 6).reshape(N, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(N, 2)], axis=-1)
+    out[~live] = 0
+    return out
+
+
+def fp8_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """A DeepSeek-V3 FP8 weight as stored -> fp8_e4m3 rows: q [..., rows, n] float8_e4m3fn (or
+    its uint8 bits), scale_inv [..., ceil(rows/128), ceil(n/128)] float32 (w = q * scale_inv
+    per 128 x 128 tile) -> uint8 [..., rows, n/128 * 132], each row's 128-weight blocks
+    {f32 scale of its tile, the 128 e4m3 bytes as stored}. A relayout (each tile's scale
+    copied to its 128 rows), not a dequantisation: the bytes of q are kept."""
+    q = np.asarray(q).view(np.uint8)
+    rows, n = q.shape[-2:]
+    if n % FP8_BLOCK:
+        raise ValueError(f"fp8_e4m3 needs rows of a multiple of {FP8_BLOCK} weights, got {n}")
+    scale_inv = np.asarray(scale_inv, np.float32)
+    want = (*q.shape[:-2], -(-rows // FP8_BLOCK), n // FP8_BLOCK)
+    if scale_inv.shape != want:
+        raise ValueError(f"scale_inv has shape {list(scale_inv.shape)}, expected {list(want)} for a weight of "
+                         f"shape {list(q.shape)} in 128 x 128 tiles")
+    per_row = np.repeat(scale_inv, FP8_BLOCK, axis=-2)[..., :rows, :, None]  # [..., rows, nb, 1]
+    out = np.empty((*q.shape[:-1], n // FP8_BLOCK, FP8_BYTES), np.uint8)
+    out[..., :4] = np.ascontiguousarray(per_row).view(np.uint8)
+    out[..., 4:] = q.reshape(*q.shape[:-1], -1, FP8_BLOCK)
+    return out.reshape(*q.shape[:-1], -1)
+
+
+def quantise_fp8_e4m3(a: np.ndarray) -> np.ndarray:
+    """float32 [..., rows, n] (n % 128 == 0) -> fp8_e4m3 rows: DeepSeek-V3's scheme, per
+    128 x 128 tile (the last one of rows or of a 1-D input partial) scale_inv = amax / 448
+    and q = e4m3(w / scale_inv) (ml_dtypes' round to nearest even, saturating at 448 by
+    construction); then `fp8_blocks`. An all-zero tile gets scale 0 (q = 0)."""
+    import ml_dtypes
+
+    a = np.asarray(a, np.float32)
+    if a.shape[-1] % FP8_BLOCK:
+        raise ValueError(f"fp8_e4m3 needs rows of a multiple of {FP8_BLOCK} weights, got {a.shape[-1]}")
+    m = a[None] if a.ndim == 1 else a
+    rows, n = m.shape[-2:]
+    pad = -rows % FP8_BLOCK
+    tiles = np.pad(np.abs(m), [(0, 0)] * (m.ndim - 2) + [(0, pad), (0, 0)])
+    tiles = tiles.reshape(*m.shape[:-2], (rows + pad) // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
+    scale_inv = tiles.max(axis=(-3, -1)) / np.float32(FP8_E4M3_MAX)  # [..., rows/128, n/128]
+    per = np.repeat(np.repeat(scale_inv, FP8_BLOCK, axis=-2)[..., :rows, :], FP8_BLOCK, axis=-1)
+    q = np.divide(m, per, out=np.zeros_like(m), where=per != 0).astype(ml_dtypes.float8_e4m3fn)
+    out = fp8_blocks(q, scale_inv)
+    return out[0] if a.ndim == 1 else out
+
+
+def tagged_k_blocks(data: np.ndarray, fmt: str) -> np.ndarray:
+    """GGUF Q4_K or Q6_K rows as stored, uint8 [..., nb * (144 | 210)] (fmt 'q4_k' | 'q6_k') ->
+    q4_k_or_q6_k rows [..., nb * 212]: each block behind its tag byte and a zero byte, a Q4_K
+    one followed by 66 zero bytes. The GGUF bytes are kept: nothing is re-encoded."""
+    f = FORMATS[fmt]
+    b = np.asarray(data, np.uint8).reshape(*np.shape(data)[:-1], -1, f.block_bytes)
+    out = np.zeros((*b.shape[:-1], Q46_K_BYTES), np.uint8)
+    out[..., 0] = Q46_K_TAGS[fmt]
+    out[..., 2:2 + f.block_bytes] = b
+    return out.reshape(*b.shape[:-2], -1)
+
+
+def dequantise_q4_k_or_q6_k(a: np.ndarray) -> np.ndarray:
+    """q4_k_or_q6_k rows uint8 [..., nb*212] -> float32 [..., nb*256]: gguf's Q4_K or Q6_K
+    dequantiser per block, as its tag says."""
+    b = np.asarray(a, np.uint8).reshape(*np.shape(a)[:-1], -1, Q46_K_BYTES)
+    with np.errstate(invalid="ignore", over="ignore"):  # the other type's reading of a block: discarded
+        q4 = FORMATS["q4_k"].to_f32_numpy(np.ascontiguousarray(b[..., 2:2 + Q4_K_BYTES]))
+        q6 = FORMATS["q6_k"].to_f32_numpy(np.ascontiguousarray(b[..., 2:]))
+    return np.where(b[..., :1] == Q46_K_TAGS["q6_k"], q6, q4).reshape(*b.shape[:-2], -1)
+
+
+def mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss's MXFP4 tensors as stored -> mxfp4 rows: blocks uint8 [..., n/32, 16] (byte j
+    of a group holds element 2j in its low nibble, 2j + 1 in its high nibble), scales uint8
+    [..., n/32] (e8m0, bias 127) -> uint8 [..., n/32 * 17], GGUF's block_mxfp4 (scale byte,
+    then elements 0..15 in the low nibbles and 16..31 in the high ones). Both hold e2m1 codes
+    with the same 16 values and 2^(e - 127) scales: a relayout of the nibbles, lossless. (No
+    family ftjax loads ships such tensors yet; this is the conversion a loader would use.)"""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"blocks {list(blocks.shape)} and scales {list(scales.shape)} are not [..., G, 16], [..., G]")
+    codes = np.stack([blocks & 0xF, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)  # element order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(*scales.shape[:-1], -1)
+
+
+def dequantise_fp8_e4m3(a: np.ndarray) -> np.ndarray:
+    """fp8_e4m3 rows uint8 [..., nb*132] -> float32 [..., nb*128] (numpy twin of the XLA one)."""
+    import ml_dtypes
+
+    b = np.ascontiguousarray(a, np.uint8).reshape(*np.shape(a)[:-1], -1, FP8_BYTES)
+    scale = np.ascontiguousarray(b[..., :4]).view(np.float32)  # [..., nb, 1]
+    q = np.ascontiguousarray(b[..., 4:]).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (q * scale).reshape(*b.shape[:-2], -1)
 
 
 def quantise_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -356,6 +644,16 @@ FORMATS: dict[str, Format] = {
     "q8_0": _block_format("q8_0", 34, _q8_0_to_f32),
     "q4_0": _block_format("q4_0", 18, _q4_0_to_f32),
     "q4_k": _block_format("q4_k", Q4_K_BYTES, _q4_k_to_f32, Q4_K_BLOCK, quantise_q4_k),
+    "q6_k": _block_format("q6_k", Q6_K_BYTES, _q6_k_to_f32, Q6_K_BLOCK, quantise_q6_k),
+    "mxfp4": _block_format("mxfp4", MXFP4_BYTES, _mxfp4_to_f32),
+    # Q4_K or Q6_K per super-block behind a tag (a GGUF part whose layers mix the two);
+    # quantising from float gives Q6_K blocks
+    "q4_k_or_q6_k": Format("q4_k_or_q6_k", np.dtype(np.uint8), Q46_K_BYTES / Q6_K_BLOCK, _q4_k_or_q6_k_to_f32,
+                           dequantise_q4_k_or_q6_k, lambda a: tagged_k_blocks(quantise_q6_k(a), "q6_k"),
+                           Q6_K_BLOCK, Q46_K_BYTES, act_q8),
+    # not a GGUF type: its own codec, and float32 activations (no act_q8: see the module doc)
+    "fp8_e4m3": Format("fp8_e4m3", np.dtype(np.uint8), FP8_BYTES / FP8_BLOCK, _fp8_e4m3_to_f32, dequantise_fp8_e4m3,
+                       quantise_fp8_e4m3, FP8_BLOCK, FP8_BYTES),
 }
 BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.block > 1)
 _BY_STORAGE = {f.storage: f for f in FORMATS.values() if f.block == 1}
@@ -383,15 +681,30 @@ QUANTISED_ALIASES = {"int8": "q8_0", "int4": "q4_0"}
 
 def canonical_dtype(dtype) -> str:
     """A format name of `FORMATS`: 'bf16' | 'bfloat16' | np.uint16 | ml_dtypes.bfloat16 ->
-    'bfloat16'; f32 alike; the block formats ('q8_0', 'q4_0', 'q4_k') as named (a dtype
-    such as int8 is not a format: `QUANTISED_ALIASES` are resolved where users name an
-    expert dtype)."""
+    'bfloat16'; f32 alike; the block formats ('q8_0', 'q4_0', 'q4_k', 'q6_k', 'mxfp4',
+    'fp8_e4m3') as named (a dtype such as int8 is not a format: `QUANTISED_ALIASES` are
+    resolved where users name an expert dtype); a pool of two part formats
+    'gate_up_format/down_format' (`pool_format`) part by part."""
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if "/" in name:
+        return pool_format(*(canonical_dtype(n) for n in name.split("/", 1)))
     aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "uint16": "bfloat16",
                "f32": "float32", "fp32": "float32", "float32": "float32", **{f: f for f in BLOCK_FORMATS}}
     if name not in aliases:
         raise ValueError(f"unsupported expert format {dtype!r} (formats: {', '.join(FORMATS)})")
     return aliases[name]
+
+
+def pool_format(gate_up: str, down: str) -> str:
+    """The format name of a pool whose parts are stored in `gate_up` and `down`: one name
+    when they agree, else 'gate_up/down' (e.g. 'q4_k/q6_k', a GGUF Q4_K_M file's experts)."""
+    return gate_up if gate_up == down else f"{gate_up}/{down}"
+
+
+def part_formats(dtype: str) -> dict[str, Format]:
+    """A pool's format name (`pool_format`) -> the Format of each expert part."""
+    names = canonical_dtype(dtype).split("/")
+    return dict(zip(EXPERT_PARTS, (FORMATS[names[0]], FORMATS[names[-1]])))
 
 
 # ---- expert parts ---------------------------------------------------------------------

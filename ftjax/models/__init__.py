@@ -1,6 +1,10 @@
 """Model families: each file translates one Hugging Face architecture into the shared
 decoder of `common.py` (a `ModelConfig` plus tensor-name aliases). Add a family by
-writing a file with `config_from_hf` and `KEY_ALIASES` and registering it here."""
+writing a file with `config_from_hf` and `KEY_ALIASES` and registering it here. A family
+whose decoder differs (DeepSeek-V4) registers its own `CausalLM` subclass in
+`common.MODEL_CLASSES`, and may give `KEPT_F32` / `IGNORED_KEYS` (checkpoint reading),
+`executor_options` (how its experts run: e.g. a SwiGLU clamp) and `streamed_prefill(cfg)`
+(False where a layer's program cannot run alone)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from ftjax.config import ConfigError, ModelConfig
 from ftjax.models import deltanet  # noqa: F401  (registers the gated_deltanet layer kind)
 from ftjax.models import mla  # noqa: F401  (registers the mla layer kind)
 from ftjax.models import dsa  # noqa: F401  (registers the mla_dsa layer kind)
-from ftjax.models import deepseek_v3, glm4_moe, glm_moe_dsa, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from ftjax.models import dsv4_attention  # noqa: F401  (registers the dsv4_* layer kinds)
+from ftjax.models import deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 
 FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
@@ -23,6 +28,7 @@ FAMILIES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,
     "deepseek_v3": deepseek_v3,
     "glm_moe_dsa": glm_moe_dsa,
+    "deepseek_v4": deepseek_v4,  # its own decoder (hyper-connections, hash routing): common.MODEL_CLASSES
 }
 
 

@@ -19,7 +19,9 @@ Design
   top-k, optionally renormalised: Qwen, Mixtral, OLMoE) or "sigmoid_group" (DeepSeek-V3,
   GLM-4.5: sigmoid scores, selection on scores + a learned correction bias limited to
   the best expert groups, weights from the unbiased scores). Both end in the same
-  (ids [N, K] int32, weights [N, K]) the executor takes.
+  (ids [N, K] int32, weights [N, K]) the executor takes; so do DeepSeek-V4's hash and
+  sqrtsoftplus top-k routers ("deepseek_v4": `ftjax.models.deepseek_v4`, a family with its
+  own decoder subclass, registered in `MODEL_CLASSES` and built by `causal_lm`).
 - Routed expert weights are NOT parameters of these modules. The MoE block computes
   the router, then hands (token, expert, weight) assignments to an *expert executor*
   (`ftjax.experts.executor`), a static policy object plus a pytree of device state
@@ -148,6 +150,15 @@ class DecoderLayer(nnx.Module):
         else:
             h = self.mlp(h)
         return x + h, state, expert_state
+
+
+MODEL_CLASSES: dict[str, type] = {}  # model_type -> its own CausalLM subclass (families whose decoder differs)
+
+
+def causal_lm(cfg: ModelConfig, dtype=jnp.float32, packed: bool = False) -> "CausalLM":
+    """The decoder of `cfg`'s family: `CausalLM`, or the subclass a family registered in
+    `MODEL_CLASSES` (DeepSeek-V4's hyper-connections, `ftjax.models.deepseek_v4`)."""
+    return MODEL_CLASSES.get(cfg.model_type, CausalLM)(cfg, dtype, packed)
 
 
 class CausalLM(nnx.Module):

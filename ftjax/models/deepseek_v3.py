@@ -8,7 +8,9 @@ routed_scaling_factor). RoPE (qk_rope_head_dim dims, interleaved pairs when
 
 Checkpoints name the shared experts `mlp.shared_experts.*` (aliased to the canonical
 `mlp.shared_expert.*`) and store the multi-token-prediction layer after the last decoder
-layer (skipped). FP8 checkpoints (`quantization_config`) are refused: use a bf16 copy.
+layer (skipped). FP8 checkpoints (`quantization_config` fp8, 128x128 block scales) load
+through the checkpoint reader: experts kept as stored (`fp8_e4m3`), dense FP8 matrices
+dequantised at load (`ftjax.checkpoint`); other quantisation configs are refused.
 """
 
 from ftjax.config import ConfigError, MLAConfig, ModelConfig, yarn_mscale

@@ -39,11 +39,16 @@ transformers may keep a different one of them (exact ties need every head's relu
 vanish for two keys, or equal weights; random or trained weights practically never
 produce them).
 
+IndexShare (GLM-5.2, `indexer_types` "shared"): a layer of kind `mla_dsa_shared` has no
+indexer and reuses the keep mask of the last `mla_dsa` layer before it in the same
+forward pass, as transformers passes `prev_topk_indices` up the layers.
+
 Letters as in `ftjax.models.common`, plus Hi / di (index_n_heads / index_head_dim).
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import jax
@@ -56,6 +61,12 @@ from ftjax.models.mla import LatentAttention, mla_rope
 from ftjax.models.ops import Step, linear, linear_param
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(di, eps=1e-6) in transformers)
+
+# The selection of the last `mla_dsa` layer traced in this forward pass, for the
+# `mla_dsa_shared` layers after it (GLM-5.2's IndexShare). A forward pass is one trace
+# through the layers in order, and its first DSA layer always has an indexer, so a shared
+# layer reads the keep mask of the same trace.
+_LAST_SELECTION: contextvars.ContextVar = contextvars.ContextVar("dsa_last_selection")
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -194,4 +205,22 @@ class SparseLatentAttention(LatentAttention):
         """Write this call's indexer keys, then select each query's top-k keys."""
         idx_k = write_rows(state["idx_k"], self.indexer.keys(x, step), step.start, axis=1)
         state = {**state, "idx_k": idx_k}
-        return self.indexer.select(x, q_latent, step, idx_k), state
+        keep = self.indexer.select(x, q_latent, step, idx_k)
+        _LAST_SELECTION.set(keep)
+        return keep, state
+
+
+@layer_kind("mla_dsa_shared")
+class SharedSparseLatentAttention(LatentAttention):
+    """IndexShare (GLM-5.2): MLA that attends the keys the previous `mla_dsa` layer's
+    indexer selected for the same queries, with no indexer (nor its key cache) of its
+    own; state {"c_kv", "k_pe"} as `mla`. The selection is passed within one forward
+    trace, so a model with shared layers cannot run one layer per program (no streamed
+    prefill: `glm_moe_dsa.streamed_prefill`)."""
+
+    def select_keys(self, x: jax.Array, q_latent: jax.Array | None, step: Step,
+                    state: dict[str, Any]) -> tuple[jax.Array | None, dict[str, Any]]:
+        keep = _LAST_SELECTION.get(Ellipsis)
+        if keep is Ellipsis:
+            raise ValueError("an 'mla_dsa_shared' layer needs an 'mla_dsa' layer before it in the same forward pass")
+        return keep, state

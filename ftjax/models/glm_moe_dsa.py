@@ -1,5 +1,5 @@
-"""GLM-5 / GLM-5.1 (GlmMoeDsaForCausalLM, model_type `glm_moe_dsa`): DeepSeek sparse
-attention on every layer (`ftjax.models.dsa`: multi-head latent attention whose queries
+"""GLM-5 / GLM-5.1 / GLM-5.2 (GlmMoeDsaForCausalLM, model_type `glm_moe_dsa`): DeepSeek
+sparse attention on every layer (`ftjax.models.dsa`: multi-head latent attention whose queries
 attend only the index_topk keys a lightning indexer selects; latent and indexer key
 caches), the first `first_k_dense_replace` layers dense (or as `mlp_layer_types` says),
 the rest routed experts plus ungated shared experts routed `sigmoid_group`, as
@@ -10,15 +10,15 @@ Checkpoints name the shared experts `mlp.shared_experts.*` and store the
 multi-token-prediction layer after the last decoder layer (skipped); the indexer's
 tensors are `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`.
 
-Not supported (ConfigError): indexer layers of kind "shared" (`indexer_types`,
-`index_topk_pattern`, `index_topk_freq` > 1: GLM-5.2's IndexShare, where a layer reuses
-the previous full layer's top-k selection). A layer kind sees only its own state and
-input, and the streamed prefill runs each layer in its own program, so a selection made
-in one layer cannot reach another; GLM-5 and GLM-5.1 run the indexer on every layer.
+IndexShare (GLM-5.2: `indexer_types` / `index_topk_pattern` / `index_topk_freq` with
+"shared" layers): a shared layer has no indexer and reuses the top-k selection of the
+last full layer before it (`dsa.SharedSparseLatentAttention`). The selection passes
+between layers within one forward trace, so such a model has no streamed prefill (one
+layer per program); `prefill="auto"` then prefills with the cached experts.
 """
 
 from ftjax.config import ConfigError, DSAConfig, MLAConfig, ModelConfig
-from ftjax.models import dsa  # noqa: F401  (registers the mla_dsa layer kind)
+from ftjax.models import dsa  # noqa: F401  (registers the mla_dsa and mla_dsa_shared layer kinds)
 from ftjax.models.deepseek_v3 import mla_head_dims, softmax_scale
 from ftjax.models.hf import base_fields, check, deepseek_moe_fields, mtp_ignored_keys
 
@@ -58,10 +58,13 @@ def moe_layers(hf: dict, num_layers: int, dense_first: tuple[bool, ...]) -> tupl
 def config_from_hf(hf: dict) -> ModelConfig:
     f = base_fields(hf, yarn=True)
     L = f["num_layers"]
-    shared = sorted({i for i, t in enumerate(indexer_types(hf, L)) if t != "full"})
-    if shared:
-        raise ConfigError(f"indexer_types: layers {shared} reuse another layer's top-k ('shared', GLM-5.2 "
-                          "IndexShare), which ftjax does not support (only 'full': an indexer on every layer)")
+    types = indexer_types(hf, L)
+    unknown = sorted({t for t in types if t not in ("full", "shared")})
+    if unknown:
+        raise ConfigError(f"indexer_types {unknown} are not supported (known: 'full', 'shared')")
+    if types[0] != "full":
+        raise ConfigError("indexer_types: the first layer must be 'full' (a 'shared' layer reuses the top-k of the "
+                          "'full' layer before it)")
     if hf.get("q_lora_rank") is None:
         raise ConfigError("q_lora_rank must be given for glm_moe_dsa (the indexer reads the query latent)")
     nope, rope = mla_head_dims(hf, f, "glm_moe_dsa")
@@ -71,7 +74,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return check(ModelConfig(
         **f,
         **moe,
-        layer_kinds=("mla_dsa",) * L,
+        layer_kinds=tuple("mla_dsa" if t == "full" else "mla_dsa_shared" for t in types),
         rotary_dim=rope,
         mla=MLAConfig(
             q_lora_rank=int(hf["q_lora_rank"]),
@@ -89,3 +92,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
             index_topk=int(hf.get("index_topk", 2048)),
         ),
     ))
+
+
+def streamed_prefill(cfg: ModelConfig) -> bool:
+    """One layer per program is possible unless a layer shares another's selection."""
+    return "mla_dsa_shared" not in cfg.layer_kinds

@@ -22,6 +22,8 @@ Kinds
                 written at each row's own `start` and read with a position mask (optional
                 sliding window from the config), so prefill, decode and batched decode of
                 sessions at different positions are one code path.
+    sliding_attention  the same with a window W shorter than the context: K/V kept as
+                a ring of W rows {"k", "v"}: [B, G, W, hd] (a fixed-size state).
     gated_attention  the same, with a sigmoid output gate from a double-width q_proj
                 (Qwen3-Next, Qwen3.5).
     gated_deltanet   linear attention with a fixed-size recurrent state
@@ -30,6 +32,9 @@ Kinds
                 (DeepSeek-V3, `ftjax.models.mla`).
     mla_dsa     MLA plus the sparse-attention indexer and its own key cache
                 {"c_kv", "k_pe", "idx_k"} (GLM-5, `ftjax.models.dsa`).
+    dsv4_sliding, dsv4_hca, dsv4_csa   DeepSeek-V4's shared-KV attention with a sink: a sliding
+                window, plus compressed entries (and the indexer's top-k of them); per-token
+                keys / entries and fixed partial-window buffers (`ftjax.models.dsv4_attention`).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ _MASKED = -1e30  # finite: a fully masked block must not turn the running max in
 
 
 def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
-                      kv_len: jax.Array, window: int = 0, block: int = ATTENTION_BLOCK) -> jax.Array:
+                      kv_len: jax.Array, window: int = 0, block: int = ATTENTION_BLOCK,
+                      kv_start: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention over the cache prefix in use, one key block at a time with a
     running max and sum (flash-attention style): memory O(T x block), and only the blocks
     that hold keys of this call (up to max(kv_len)) are read, so the cost is the bytes in
@@ -87,8 +93,9 @@ def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posi
 
     q [B, T, H, hd]; cache_k / cache_v [B, G, S, hd] (head-major: each KV head's keys are
     one contiguous [S, hd] matrix, read once per block for all r = H/G query heads and T
-    queries of its group); positions [B, T]; kv_len [B] keys in use per row (start + T)
-    -> out [B, T, H, hd] float32."""
+    queries of its group); positions [B, T]; kv_len [B] keys in use per row (start + T);
+    kv_start [B] (optional): keys before it are not there (a sliding-window ring's empty
+    slots) -> out [B, T, H, hd] float32."""
     B, T, H, hd = q.shape
     G, S = cache_k.shape[1], cache_k.shape[2]
     r = H // G
@@ -111,6 +118,8 @@ def blocked_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posi
         visible = k_pos <= q_pos
         if window > 0:
             visible &= k_pos > q_pos - window
+        if kv_start is not None:
+            visible &= k_pos >= kv_start[:, None, None, None]
         s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
@@ -238,24 +247,111 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
-    def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
-        """x [B, T, D] -> out [B, T, D], state with this call's keys/values written."""
-        cfg = self.cfg
+    def _rotated(self, x: jax.Array, step: Step):
+        """x [B, T, D] -> q [B, T, H, hd], k / v [B, G, T, hd] (RoPE applied), gate."""
         q, k, v, gate = self._project(x)
         cos, sin = step.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, G, T, hd]
-        state = {"k": write_rows(state["k"], k, step.start, axis=2), "v": write_rows(state["v"], v, step.start, axis=2)}
-        cache_k, cache_v = state["k"], state["v"]  # [B, G, S, hd]
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), gate
 
-        B, T, H, hd = q.shape
-        out = attend(q, cache_k, cache_v, step.positions, step.start + T, self.window).reshape(B, T, H * hd)
+    def _output(self, out: jax.Array, gate: jax.Array | None, dtype) -> jax.Array:
+        """Attention output [B, T, H, hd] -> (gated) o_proj [B, T, D]."""
+        B, T, H, hd = out.shape
+        out = out.reshape(B, T, H * hd)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
-        out = linear(out.astype(x.dtype), self.wo[...])
-        if cfg.o_bias:
-            out = out + self.bo[...]
-        return out, state
+        out = linear(out.astype(dtype), self.wo[...])
+        return out + self.bo[...] if self.cfg.o_bias else out
+
+    def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
+        """x [B, T, D] -> out [B, T, D], state with this call's keys/values written."""
+        q, k, v, gate = self._rotated(x, step)
+        state = {"k": write_rows(state["k"], k, step.start, axis=2), "v": write_rows(state["v"], v, step.start, axis=2)}
+        out = attend(q, state["k"], state["v"], step.positions, step.start + q.shape[1], self.window)
+        return self._output(out, gate, x.dtype), state
+
+
+def _ring_write_one(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
+    """ring [B, G, W, hd] with new [B, G, 1, hd] at row slot[b] where valid[b] (other rows
+    keep what they hold: an inactive batch row must not overwrite a key in its window)."""
+    old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, 1, axis=1))(ring, slot)  # [B, G, 1, hd]
+    return write_rows(ring, jnp.where(valid[:, None, None, None], new.astype(ring.dtype), old), slot, axis=2)
+
+
+def _ring_in_order(ring: jax.Array, start: jax.Array) -> jax.Array:
+    """ring [B, G, W, hd] -> the same keys in position order: index i holds position
+    start[b] - W + i (row (start - W + i) mod W)."""
+    W = ring.shape[2]
+    rows = (start[:, None] - W + jnp.arange(W)[None, :]) % W  # [B, W]
+    return jax.vmap(lambda r, i: jnp.take(r, i, axis=1))(ring, rows)
+
+
+def _ring_write_chunk(ring: jax.Array, new: jax.Array, start: jax.Array, valid: jax.Array) -> jax.Array:
+    """ring [B, G, W, hd] with the last W real rows of new [B, G, T, hd] (position
+    start[b] + t at row (start + t) mod W). Padding rows and real rows more than W before
+    the row's last are dropped: they would land on keys still in the window (and two
+    writes to one row in one scatter have no defined order)."""
+    W, T = ring.shape[2], new.shape[2]
+    t = jnp.arange(T)[None, :]
+    keep = valid & (t >= jnp.sum(valid, axis=1, keepdims=True) - W)  # [B, T]
+    rows = jnp.where(keep, (start[:, None] + t) % W, W)  # W: out of range, dropped
+    return jax.vmap(lambda r, i, n: r.at[:, i].set(n, mode="drop"))(ring, rows, new.astype(ring.dtype))
+
+
+@layer_kind("sliding_attention")
+class SlidingAttention(Attention):
+    """Sliding-window attention that keeps only its window: K/V are a ring of W rows per
+    KV head, position p at row p mod W, so memory and decode reads are O(W) whatever the
+    context. `ModelConfig.layer_kind` picks it for an `attention` layer whose window is
+    shorter than the model's context (otherwise the window never cuts anything).
+
+    Decode (T = 1): the new key goes to row start mod W first (it replaces position
+    start - W, the one key the new query no longer sees) and the query attends over the
+    min(start + 1, W) rows in use, all visible: attention is a sum over keys, so their
+    order in the ring does not matter (the host kernel reads them as any cache prefix).
+    A chunk (T > 1): the ring read in position order (the W positions before start;
+    ones before 0 masked by `kv_start`) followed by the T new keys, attended with the
+    window mask; then the last W real keys are written to the ring.
+
+    The ring summarises the tokens so far with no per-token axis (SEQ_AXES is empty),
+    like a recurrent state: sessions, snapshots and batches carry it whole, capacity
+    changes leave it as it is, and the state cache resumes such a model only where it
+    saved a state."""
+
+    SEQ_AXES: dict[str, int] = {}
+
+    @staticmethod
+    def init_state(cfg: ModelConfig, layer: int, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, Any]:
+        shape = (batch, cfg.num_kv_heads, cfg.sliding_windows[layer], cfg.head_dim)  # [B, G, W, hd]
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    @staticmethod
+    def resize_state(state: dict[str, Any], max_len: int) -> dict[str, Any]:
+        return state
+
+    def __call__(self, x: jax.Array, step: Step, state: dict[str, Any]):
+        W = self.window
+        q, k, v, gate = self._rotated(x, step)
+        B, T = q.shape[:2]
+        if T == 1:
+            slot = step.start % W
+            state = {"k": _ring_write_one(state["k"], k, slot, step.valid[:, 0]),
+                     "v": _ring_write_one(state["v"], v, slot, step.valid[:, 0])}
+            out = attend(q, state["k"], state["v"], step.positions, jnp.minimum(step.start + 1, W))
+            return self._output(out, gate, x.dtype), state
+        S = W + T
+        pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0  # whole blocks (else one block of S)
+
+        def keys(ring, new):  # [B, G, W + T + pad, hd]: index i holds position start - W + i
+            return jnp.pad(jnp.concatenate([_ring_in_order(ring, step.start), new.astype(ring.dtype)], axis=2),
+                           ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+        offset = step.start - W  # [B] position of key index 0
+        out = blocked_attention(q, keys(state["k"], k), keys(state["v"], v), step.positions - offset[:, None],
+                                jnp.full((B,), S, jnp.int32), W, kv_start=jnp.maximum(-offset, 0))
+        state = {"k": _ring_write_chunk(state["k"], k, step.start, step.valid),
+                 "v": _ring_write_chunk(state["v"], v, step.start, step.valid)}
+        return self._output(out, gate, x.dtype), state
 
 
 @layer_kind("gated_attention")
