@@ -225,6 +225,11 @@ class HostExecutor:
         self.pool = pool
         self.swiglu_limit = swiglu_limit
         self._limit = np.float32(np.inf if swiglu_limit is None else swiglu_limit)
+        # each part's kernel type code (host_kernels/kernels.h WeightType), worked out once; the
+        # numpy entry point names block types only (-1: plain types, told by the array dtype)
+        fmts = part_formats(pool.dtype)
+        self._codes = {part: WEIGHT_TYPE_CODES[f.name] for part, f in fmts.items()}
+        self._array_codes = {part: self._codes[part] if f.block > 1 else -1 for part, f in fmts.items()}
         self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
         self._threads = shared_threads(threads or default_threads())
         # {calls, nanoseconds in the kernel, distinct experts read}: the handler adds to it
@@ -264,11 +269,10 @@ class HostExecutor:
         """Same computation, called directly from numpy (no jit); releases the GIL."""
         x = np.ascontiguousarray(x, np.float32)  # [T, D]
         y = np.empty_like(x) if out is None else out  # [T, D]
-        codes = {part: WEIGHT_TYPE_CODES[f.name] if f.block > 1 else -1
-                 for part, f in part_formats(self.pool.dtype).items()}
         _hk.expert_ffn(self.pool.gate_up, self.pool.down, int(layer), x,
                        np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32),
-                       y, self._threads, self.isa.value, codes["gate_up"], codes["down"], float(self._limit))
+                       y, self._threads, self.isa.value, self._array_codes["gate_up"],
+                       self._array_codes["down"], float(self._limit))
         return y
 
     def _ffi_attributes(self) -> dict:
@@ -277,8 +281,7 @@ class HostExecutor:
             pool_id=np.int32(self._pool_id),
             num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
             d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
-            dtype=np.int32(WEIGHT_TYPE_CODES[part_formats(p.dtype)["gate_up"].name]),
-            down_dtype=np.int32(WEIGHT_TYPE_CODES[part_formats(p.dtype)["down"].name]),
+            dtype=np.int32(self._codes["gate_up"]), down_dtype=np.int32(self._codes["down"]),
             swiglu_limit=self._limit, threads=np.int64(self._threads.num_threads), isa=np.int32(self.isa.value))
 
     def _ffi_call(self, x, layer, ids, weights):

@@ -122,3 +122,25 @@ def check_against(model, reference, prompt, tol=2e-4):
     new = list(model.generate_stream(prompt, len(want_tokens), step_logits=steps))
     assert new == want_tokens
     assert rel_err(np.stack(steps), model.logits(prompt + new[:-1])[len(prompt) - 1:]) <= tol
+
+
+def check_sessions(model, reference, prompt, tmp_path):
+    """Sessions against transformers' (logits of prompt, greedy tokens): appending the
+    prompt in two pieces gives its logits after each piece, and a snapshot (in memory and
+    saved to disk) resumes with the same next 8 tokens."""
+    import numpy as np
+
+    from ftjax.engine.session import Snapshot
+
+    ref_logits, ref_tokens = reference[0], reference[1][:8]
+    tol = 2e-5 * np.abs(ref_logits).max()
+    s = model.session()
+    pieces = [prompt[:3], prompt[3:]]  # the second one's bucket is the prompt's: one compile less
+    for i, piece in enumerate(pieces):
+        end = sum(map(len, pieces[:i + 1]))
+        np.testing.assert_allclose(s.append(piece), ref_logits[end - 1], atol=tol, rtol=0)
+    snap = s.snapshot()
+    assert s.generate(8) == ref_tokens
+    for restored in (model.session(snap), model.session(Snapshot.load(snap.save(tmp_path / "s")))):
+        assert restored.position == len(prompt) and restored.ids == prompt
+        assert restored.generate(8) == ref_tokens

@@ -79,18 +79,7 @@ def test_device_policy_and_sessions(glm5, reference, tmp_path):
     _, path = glm5
     model = ftjax.load(path, policy="device")
     check_against(model, reference)
-    ref_logits, ref_tokens = reference[0], reference[1][:8]
-    tol = 2e-5 * np.abs(ref_logits).max()
-    s = model.session()
-    pieces = [LONG[:3], LONG[3:]]  # the second one's bucket (64) is the prompt's: one compile less
-    for i, piece in enumerate(pieces):
-        end = sum(map(len, pieces[:i + 1]))
-        np.testing.assert_allclose(s.append(piece), ref_logits[end - 1], atol=tol, rtol=0)
-    snap = s.snapshot()
-    assert s.generate(8) == ref_tokens
-    for restored in (model.session(snap), model.session(Snapshot.load(snap.save(tmp_path / "s")))):
-        assert restored.position == len(LONG) and restored.ids == LONG
-        assert restored.generate(8) == ref_tokens
+    hf_models.check_sessions(model, reference, LONG, tmp_path)
 
 
 @pytest.mark.slow
