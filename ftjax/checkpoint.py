@@ -20,6 +20,12 @@ Design
   in the HF layout [out, in] (and the embedding [V, D]): that is what the host GEMV
   kernel streams (`models.common.linear`), and it halves device memory. Converting them
   to float32 [in, out] (`dense_dtype="float32"`) is exact, only bigger and slower.
+- Dense matrices may also be block-quantised at load (`dense_dtype="int8"` = "q8_0",
+  "int4" = "q4_0", "q4_k", "q6_k", "mxfp4"): each HF Linear weight that `quantisable`
+  allows, whose input width is whole blocks, becomes a `models.ops.QuantMatrix` [out, row
+  bytes] that the host kernel reads with int8 activations (half of bf16's bytes for Q8_0:
+  decode streams every dense matrix once per token). The rest keep the default storage
+  (bf16 bits for a bf16 checkpoint, else float32).
 - Data is read through `np.memmap` at the offsets of the safetensors header, so bf16
   needs no numpy dtype support and large shards are not read twice.
 - FP8 checkpoints (DeepSeek-V3's release: config `quantization_config: {quant_method: fp8,
@@ -145,6 +151,45 @@ def hf_name(path: str) -> str:
     return path
 
 
+# Dense matrices that stay float (or bf16 bits) when the others are block-quantised
+# (`dense_dtype="int8"`, a GGUF's Q8_0 tensors): the embedding (rows are gathered), routers
+# and the shared-expert gate (small, and routing is sensitive to them), MLA's kv_b (split
+# into per-head absorbed projections, `models.mla`) and DeepSeek-V4's o_a (cut into group
+# blocks, `models.dsv4_attention`): those layers do not hand them whole to `linear`.
+FLOAT_MATRICES = re.compile(r"embed|.*\.(w_router|w_shared_gate|w_kv_b|w_o_a)")
+# dense_dtype names of the block formats dense matrices may be quantised to
+DENSE_BLOCK_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k", "mxfp4")
+
+
+def quantisable(path: str, target: tuple) -> bool:
+    """Whether param `path` (classified as `target`) may be a block-quantised `QuantMatrix`:
+    an HF Linear weight (a transposed target) that its layer passes whole to `linear`."""
+    return target[0] == "param" and target[2] and not FLOAT_MATRICES.fullmatch(path)
+
+
+def dense_block_format(dense_dtype: str | None) -> str | None:
+    """The block format a folder's dense_dtype asks for ("int8" -> "q8_0"), None for
+    None / "bfloat16" / "float32"; anything else is a ValueError listing the choices."""
+    if dense_dtype in (None, "bfloat16", "float32"):
+        return None
+    fmt = QUANTISED_ALIASES.get(dense_dtype, dense_dtype)
+    if fmt not in DENSE_BLOCK_FORMATS:
+        raise ValueError(f"dense_dtype must be 'bfloat16', 'float32', 'int8' (q8_0), 'int4' (q4_0), 'q4_k', 'q6_k' "
+                         f"or 'mxfp4', got {dense_dtype!r}")
+    return fmt
+
+
+def quantise_dense(w: np.ndarray, fmt: str):
+    """float32 [out, in] (HF layout) -> `QuantMatrix` of block format fmt, or None when a
+    row is not whole blocks (the matrix then keeps its float storage)."""
+    from ftjax.models.ops import QuantMatrix
+
+    f = FORMATS[fmt]
+    if w.ndim != 2 or w.shape[1] % f.block:
+        return None
+    return QuantMatrix(np.ascontiguousarray(f.from_f32_numpy(np.asarray(w, np.float32))), fmt)
+
+
 # Small tensors bf16 checkpoints store in float32 anyway (transformers' `_keep_in_fp32_modules`):
 # they do not make the checkpoint a float32 one.
 KEPT_F32 = re.compile(_L + r"mlp\.gate\.e_score_correction_bias")
@@ -178,6 +223,9 @@ class Checkpoint:
     dtype: str  # stored precision of the weights: float32 | bfloat16 | float16
     path: Path
     dense_dtype: str = "float32"  # "bfloat16": matrices are uint16 bits [out, in] (packed)
+    # block format(s) of the params that are QuantMatrix (quantised at load or kept as a
+    # GGUF stores them; "q8_0", or "q4_k+q6_k" for several), None: none is
+    dense_format: str | None = None
 
     @property
     def packed(self) -> bool:
@@ -370,7 +418,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     expert_dtype: storage of the host expert pool; dense_dtype: storage of the dense
     matrices (attention, router, shared experts, embedding, LM head). Each "bfloat16"
     or "float32"; default: bfloat16 for bf16 checkpoints, float32 otherwise. bfloat16
-    is only kept where the stored tensors are bf16 (no silent rounding). Experts may
+    is only kept where the stored tensors are bf16 (no silent rounding). dense_dtype may
+    also be a block format ("int8" = "q8_0", "int4" = "q4_0", "q4_k", "q6_k", "mxfp4"):
+    the matrices `quantisable` allows (and whose input width is whole blocks) are
+    quantised to it (`models.ops.QuantMatrix`), the others keep the default storage. Experts may
     also be quantised at load: expert_dtype "int8" (= "q8_0"), "int4" (= "q4_0"), "q4_k",
     "q6_k", "mxfp4" (GGUF block formats) or "fp8_e4m3" (DeepSeek-V3's 128 x 128 tile
     scheme), the block formats of `ftjax.experts.storage` (d_model and the expert FFN width
@@ -378,8 +429,9 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     FP8 checkpoints (see the module doc) keep FP8 experts as stored by default.
     """
     quantised = {**QUANTISED_ALIASES, **{name: name for name in BLOCK_FORMATS}}
-    if dense_dtype not in (None, "bfloat16", "float32"):
-        raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
+    dense_fmt = dense_block_format(dense_dtype)
+    if dense_fmt is not None:
+        dense_dtype = None  # the matrices left float keep the default storage
     part_dtypes = expert_dtype.split("/") if isinstance(expert_dtype, str) else [expert_dtype]
     if len(part_dtypes) > 2 or any(d not in (None, "bfloat16", "float32", *quantised) for d in part_dtypes):
         raise ValueError(f"expert_dtype must be 'bfloat16', 'float32', 'int8' (q8_0), 'int4' (q4_0), "
@@ -494,7 +546,12 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     params: dict[str, np.ndarray] = {}
     progress = _Progress(sum(r.nbytes for r in refs.values()))
     for path, (ref, hit) in param_refs.items():
-        if packed and _packs(hit):
+        qmatrix = None
+        if dense_fmt is not None and quantisable(path, hit[0]):
+            qmatrix = quantise_dense(_to_f32(ref), dense_fmt)  # HF layout [out, in]
+        if qmatrix is not None:
+            params[path] = qmatrix
+        elif packed and _packs(hit):
             params[path] = np.array(ref.read())  # bf16 bits in the HF layout; a copy, not the file
         else:
             arr = _to_f32(ref)
@@ -516,7 +573,14 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         progress.update(ref.nbytes)
     progress.close()
     pool.freeze()
-    return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32")
+    return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32",
+                      dense_formats(params))
+
+
+def dense_formats(params: dict) -> str | None:
+    """`Checkpoint.dense_format` of a params dict: its QuantMatrix formats joined by '+'."""
+    fmts = sorted({getattr(v, "fmt") for v in params.values() if hasattr(v, "fmt")})
+    return "+".join(fmts) or None
 
 
 def _packs(hit: tuple | None) -> bool:

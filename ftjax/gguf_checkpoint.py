@@ -60,10 +60,15 @@ Design
   Any other mix within a part, or another type (Q5_K, IQ*, ...), is a CheckpointError
   naming the tensors, their types and the llama-quantize command that makes a usable file
   (`--pure`). `expert_dtype=` must name the stored format, if given.
-- Dense tensors (embedding, attention, norms, router, shared expert, LM head) of any
-  type `gguf.quants.dequantize` knows become float32 params ([in, out] where the folder
-  loader transposes); when every dense matrix is BF16 and dense_dtype allows (default
-  for such files), they stay bf16 bits in the HF layout (packed), as for bf16 folders.
+- Dense matrices in a block type the host kernels read (Q8_0, Q4_0, Q4_K, Q6_K, MXFP4:
+  `DENSE_KEPT`) are kept as stored, as `models.ops.QuantMatrix` [out, row bytes] params,
+  where `checkpoint.quantisable` allows (attention projections, dense and shared-expert
+  MLPs, LM head): a Q8_0 file's decode then streams 1.06 bytes per dense weight, as
+  llama.cpp does, instead of 4 (float32) or 2 (bf16). Other dense tensors (embedding,
+  norms, router, ...) of any type `gguf.quants.dequantize` knows become float32 params
+  ([in, out] where the folder loader transposes); when every one of those matrices is
+  BF16 and dense_dtype allows (default for such files), they stay bf16 bits in the HF
+  layout (packed), as for bf16 folders. dense_dtype="float32" dequantises every matrix.
 - Tokenizer: `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is rebuilt as a
   `tokenizers.Tokenizer` from tokens / merges / token_type (CONTROL -> special added
   token, USER_DEFINED -> added token) with the pre-tokenizer of `tokenizer.ggml.pre`
@@ -92,12 +97,13 @@ from gguf import GGMLQuantizationType as QType
 from gguf import Keys
 from gguf import MODEL_TENSOR as T
 
-from ftjax.checkpoint import Checkpoint, CheckpointError, classify, expected_param_shapes, hf_name, \
-    load_checkpoint, model_config
+from ftjax.checkpoint import Checkpoint, CheckpointError, classify, dense_formats, expected_param_shapes, hf_name, \
+    load_checkpoint, model_config, quantisable
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.experts.pool import HostExpertPool
 from ftjax.experts.storage import (BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES, canonical_dtype, part_formats,
                                    pool_format, tagged_k_blocks)
+from ftjax.models.ops import QuantMatrix
 
 # llama.cpp architecture -> ftjax model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -124,6 +130,7 @@ DENSE_MLP = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)  # mlp_only layers: not in llama.
 EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4",
                   "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
 WRITE_DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+DENSE_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}  # -> QuantMatrix
 TAGGED_K = ("q4_k", "q6_k")  # a part whose layers mix these is stored as storage's q4_k_or_q6_k
 
 # tokenizer.ggml.pre -> the Split regex before ByteLevel (None: ByteLevel's own GPT-2 regex)
@@ -344,7 +351,8 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     expert_dtype: None, or the format the experts are stored in ("int8" / "q8_0" for Q8_0,
     "int4" / "q4_0", "q4_k", "q6_k", "mxfp4", "bfloat16", "float32" for F32 / F16; "q4_k/q6_k"
     for Q4_K gate / up and Q6_K down): GGUF experts are never converted.
-    dense_dtype: None / "bfloat16" (keep BF16 matrices as bf16 bits) or "float32"."""
+    dense_dtype: None / "bfloat16" (keep BF16 matrices as bf16 bits, block-type ones as
+    stored) or "float32" (dequantise every matrix to float32)."""
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
     wanted = (canonical_dtype("/".join(QUANTISED_ALIASES.get(n, n) for n in expert_dtype.split("/")))
@@ -384,7 +392,9 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     if wanted is not None and wanted != pool_dtype:
         raise CheckpointError(f"{path}: expert_dtype {expert_dtype!r} does not match the experts stored in the file "
                               f"({pool_dtype}); GGUF experts are used as stored, leave expert_dtype unset")
-    matrices = [t for t, target in param_refs.values() if packs(target)]
+    kept = {p for p, (t, target) in param_refs.items()  # dense matrices kept in their block type
+            if dense_dtype != "float32" and t.tensor_type.name in DENSE_KEPT and quantisable(p, target)}
+    matrices = [t for p, (t, target) in param_refs.items() if packs(target) and p not in kept]
     bf16_file = all(t.tensor_type == QType.BF16 for t in matrices)
     packed = bf16_file and (dense_dtype or "bfloat16") == "bfloat16"
     stored = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
@@ -407,14 +417,16 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     params: dict[str, np.ndarray] = {}
     for p, (t, target) in param_refs.items():
         want = expected_shape(shapes, p, target)
-        if packed and packs(target):
+        if p in kept:  # block rows [out, row bytes] as stored: a copy, not the file
+            params[p] = QuantMatrix(np.array(t.data).reshape(want[0], -1), DENSE_KEPT[t.tensor_type.name])
+        elif packed and packs(target):
             params[p] = np.array(t.data.view(np.uint16)).reshape(want)  # bf16 bits [out, in]: a copy
         else:
             arr = dense_f32(t, path).reshape(want)
             params[p] = np.ascontiguousarray(arr.T if target[2] else arr)
     tokenizer = gguf_tokenizer(reader, path)
     return GGUFCheckpoint(cfg, params, pool, ckpt_dtype, path, "bfloat16" if packed else "float32",
-                          tokenizer=tokenizer, header_bytes=int(reader.data_offset))
+                          dense_formats(params), tokenizer=tokenizer, header_bytes=int(reader.data_offset))
 
 
 def packs(target: tuple) -> bool:

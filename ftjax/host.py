@@ -1,5 +1,5 @@
 """The host boundary: the ONLY module whose code crosses from a jitted program into
-host (CPU) kernels: the routed-expert FFN, and dense layers stored as bf16 bits.
+host (CPU) kernels: the routed-expert FFN, and dense layers stored as bf16 bits or in a block format.
 
     jitted step --(x [T,D], layer [], ids [T,K], weights [T,K])--> expert_ffn --> y [T,D]
         CPU backend:  jax.ffi.ffi_call -> C++ XLA FFI handler (~2 us per call inside a step, async dispatch kept)
@@ -18,7 +18,12 @@ second FFI handler, the weight passed as an ordinary operand (a CPU "device" buf
 is host memory, read in place). XLA's own CPU dot on bf16 runs at 0.2-0.6 GB/s, and
 converting the weight to f32 first costs ~18 ms per 4096x2048 matrix per call, so
 the kernel wins at every prompt length measured (1..512 tokens). Other backends use
-XLA's dot.
+XLA's dot. Block-quantised matrices (`wtype=` a block format of
+`ftjax.experts.storage.FORMATS`: uint8 rows [N, row bytes], GGUF's blocks) go the same
+way: the kernel quantises the activations to int8 blocks once per call, as for block
+experts; off the CPU backend XLA dequantises the matrix (the storage format's `to_f32`)
+and the activations go through the same int8 rounding (`act`), so both paths compute
+the same products.
 
 Worker threads are process-wide (`shared_threads`): one persistent pool per thread
 count, never freed, because compiled programs hold its address.
@@ -43,7 +48,7 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import act_q8, act_q8_numpy, as_f32, bf16_bits_to_f32, part_formats
+from ftjax.experts.storage import FORMATS, act_q8, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
@@ -129,34 +134,63 @@ def shared_threads(num_threads: int) -> _hk.ThreadPool:
     return _hk.shared_thread_pool(num_threads)
 
 
-def linear(x: jax.Array, w: jax.Array, *, boundary: Boundary | str | None = None,
+def weight_format(w, wtype: str | None = None):
+    """The storage `Format` of a dense matrix: named by `wtype` (a block format's uint8 rows
+    need it), else told by w's dtype (float32, or uint16 bf16 bits). A name outside
+    `storage.FORMATS`, or one that w's dtype does not store, is a ValueError naming both."""
+    if wtype is None:
+        return format_of(w)
+    fmt = FORMATS.get(wtype)
+    if fmt is None or fmt.storage != np.dtype(w.dtype):
+        raise ValueError(f"weight type {wtype!r} does not describe a {np.dtype(w.dtype).name} matrix "
+                         f"(types: {', '.join(f'{n} ({f.storage.name})' for n, f in FORMATS.items())})")
+    return fmt
+
+
+def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Boundary | str | None = None,
            isa: Isa = Isa.AUTO) -> jax.Array:
     """x [..., K] -> [..., N] float32 = x . w^T, w [N, K] uint16 (bf16 bits) or float32,
-    the HF nn.Linear layout. Callable inside `jax.jit`; the path is picked at trace time."""
+    the HF nn.Linear layout, or a block format's uint8 rows [N, row bytes] named by
+    `wtype` ('q8_0', 'q4_0', 'q4_k', 'q6_k', ...; activations are int8-quantised per 32
+    as the format's `act` says). Callable inside `jax.jit`; the path is picked at trace time."""
+    fmt = weight_format(w, wtype)
     *lead, K = x.shape
     N = w.shape[0]
+    if fmt.row_len(w.shape[1]) != K:
+        raise ValueError(f"x has {K} features but the {fmt.name} matrix rows hold {fmt.row_len(w.shape[1])} weights")
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, K)  # [T, K]
     boundary = Boundary(boundary) if boundary else default_boundary()
     if boundary is Boundary.FFI_CPU:
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
-        y = call(x2, w, threads=np.int64(dense_threads()), isa=np.int32(isa.value))
+        y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
+                 isa=np.int32(isa.value))
     else:
-        y = x2 @ as_f32(w).T
+        y = fmt.act(x2) @ fmt.to_f32(w).T
     return y.reshape(*lead, N)
 
 
-def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: Isa = Isa.AUTO) -> np.ndarray:
-    """The same kernel called from numpy: x [T, K] float32, w [N, K] -> y [T, N]."""
+def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: Isa = Isa.AUTO,
+                 wtype: str | None = None) -> np.ndarray:
+    """The same kernel called from numpy: x [T, K] float32, w [N, K] (or a block format's
+    uint8 rows, named by `wtype`) -> y [T, N]."""
+    code = -1 if wtype is None else WEIGHT_TYPE_CODES[weight_format(w, wtype).name]  # -1: told by w's dtype
     x = np.ascontiguousarray(x, np.float32)
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _hk.linear(w, x, y, shared_threads(threads or default_threads()), isa.value)
+    _hk.linear(w, x, y, shared_threads(threads or default_threads()), isa.value, code)
     return y
 
 
-def reference_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """numpy (float64) reference of `linear`: x [T, K], w [N, K] (float32 or bf16 bits)."""
-    return (np.asarray(x, np.float64) @ _weights_f64(w).T).astype(np.float32)
+def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None) -> np.ndarray:
+    """numpy (float64) reference of `linear`: x [T, K], w [N, K] (float32 or bf16 bits; or
+    a block format's uint8 rows named by `wtype`, dequantised by the format's numpy twin,
+    the activations quantised as the kernel does: `storage.quantise_activations`)."""
+    fmt = weight_format(w, wtype)
+    x = np.asarray(x, np.float32)
+    if fmt.act is act_q8:
+        x = act_q8_numpy(x)
+    w64 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1).astype(np.float64)
+    return (x.astype(np.float64) @ w64.T).astype(np.float32)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv_len: jax.Array,

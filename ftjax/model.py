@@ -256,7 +256,9 @@ def _initial_xstate(executor, pool) -> dict:
 
 
 def _param_state(graphdef_state, params: dict[str, np.ndarray]):
-    leaves = [(path, v.replace(jnp.asarray(params[".".join(map(str, path))])))
+    """The loaded values as the model's param state (a `QuantMatrix` value stays one: its
+    array goes to the device, its format rides in the tree structure)."""
+    leaves = [(path, v.replace(jax.tree.map(jnp.asarray, params[".".join(map(str, path))])))
               for path, v in nnx.to_flat_state(graphdef_state)]
     return nnx.from_flat_state(leaves)
 
@@ -277,7 +279,10 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     experts and packed dense layers; default: every core the process may run on; XLA's
     own CPU threads are set by XLA_FLAGS before JAX starts); expert_dtype / dense_dtype: storage of the expert pool
     and of the other matrices, "bfloat16" (default for bf16 checkpoints; exact, and the
-    fast path of the CPU backend) or "float32"; frequency [Lm, E]: selection
+    fast path of the CPU backend) or "float32"; dense_dtype may also name a block format
+    ("int8" = "q8_0", "int4", "q4_k", "q6_k", "mxfp4") to quantise the projection matrices
+    and LM head at load (`checkpoint.quantisable`); a GGUF's Q8_0 / Q4_0 / Q4_K / Q6_K /
+    MXFP4 dense matrices are kept as stored unless dense_dtype="float32"; frequency [Lm, E]: selection
     counts for static-frequency; prefill: "auto" (on an accelerator, stream whole MoE
     layers once a prompt reaches `prefill_stream_threshold` tokens; never on the CPU
     backend), "cached" or "streamed"; keep_records: how many recent steps `expert_log()`
@@ -385,7 +390,8 @@ def streams(mode: str, threshold: int, num_tokens: int, device_is_host: bool) ->
 def fingerprint(ckpt: Checkpoint, kv_dtype: str = "float32") -> str:
     """Identity of a loaded model for snapshots: the config, the storage formats, and each
     weight file's name, size, header and first and last 64 KiB."""
-    h = hashlib.sha256(repr((ckpt.config, ckpt.dense_dtype, ckpt.pool.dtype, kv_dtype)).encode())
+    quantised = (ckpt.dense_format,) if ckpt.dense_format else ()  # (none: the fingerprints of before)
+    h = hashlib.sha256(repr((ckpt.config, ckpt.dense_dtype, ckpt.pool.dtype, kv_dtype, *quantised)).encode())
     if ckpt.path.is_file():  # a GGUF: its header instead of safetensors headers
         from ftjax.gguf_checkpoint import update_fingerprint
         update_fingerprint(h, ckpt)

@@ -1,6 +1,7 @@
 // Building blocks shared by the host kernels that stream weight rows against a few
 // activation vectors (expert_ffn.cc, linear.cc): aligned scratch, the even/odd
-// activation layout, row x vector tiles, and how rows are cut into pool tasks.
+// activation layout and the ActQ8 activations of block weights, row x vector tiles, and
+// how rows are cut into pool tasks.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +43,20 @@ class AlignedFloats {
 inline void to_layout(const float* src, int64_t rows, int64_t n, int64_t block, float* dst) {
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t i = 0; i < n; ++i) dst[t * n + even_odd_pos(i, n, block)] = src[t * n + i];
+}
+
+// dst [rows, n] = src [rows, n] as the dot table of weight type w reads it: ActQ8 blocks
+// for the block types that take them (each row's n / 32 blocks at the start of its n
+// floats: 40 bytes per 32 values fit in 128), else floats in the table's layout
+// (to_layout). Done once per call; every row of the weights then meets it.
+inline void prepare_activations(const Kernels& kernels, WeightType w, const float* src, int64_t rows,
+                                int64_t n, float* dst) {
+  if (!uses_act_q8(w)) {
+    to_layout(src, rows, n, kernels.layout_block(w), dst);
+    return;
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    quantise_act_q8(src + t * n, n, reinterpret_cast<ActQ8*>(dst + t * n));
 }
 
 // Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.

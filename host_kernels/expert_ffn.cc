@@ -192,16 +192,12 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
-  const bool x_q8 = uses_act_q8(pool.wtype), h_q8 = uses_act_q8(pool.down_wtype);
+  const bool h_q8 = uses_act_q8(pool.down_wtype);
   const int64_t num_pairs = routing.token.size();
   AlignedFloats h(num_pairs * pool.d_ff);
   AlignedFloats h_q(h_q8 ? num_pairs * pool.d_ff : 0);
   AlignedFloats x_in(batch.num_tokens * pool.d_model);
-  for (int64_t t = 0; t < batch.num_tokens && x_q8; ++t)
-    quantise_act_q8(batch.x + t * pool.d_model, pool.d_model,
-                    reinterpret_cast<ActQ8*>(x_in.data() + t * pool.d_model));
-  if (!x_q8)
-    to_layout(batch.x, batch.num_tokens, pool.d_model, kernels->layout_block(pool.wtype), x_in.data());
+  prepare_activations(*kernels, pool.wtype, batch.x, batch.num_tokens, pool.d_model, x_in.data());
   Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype),
             h_q8 ? 0 : kernels->layout_block(pool.down_wtype), layer, x_in.data(), h,
             h_q8 ? h_q.data() : h.data()};

@@ -94,21 +94,36 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// The weight type comes as the `wtype` attribute (a block matrix is a uint8 buffer
+// [N, row bytes]: its dtype cannot name the format); the buffer's dtype must match it.
 ffi::Error linear_body(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t threads, int32_t isa) {
+                       int32_t wtype_code, int64_t threads, int32_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  WeightType wtype;
-  if (w.element_type() == ffi::U16)
-    wtype = WeightType::kBF16;
-  else if (w.element_type() == ffi::F32)
-    wtype = WeightType::kF32;
-  else
-    return ffi::Error::InvalidArgument("ftjax_linear: w must be uint16 (bf16 bits) or f32");
-  if (wd.size() != 2 || xd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("ftjax_linear: need x [T, K] and w [N, K]");
+  if (!ftjax::is_weight_type(wtype_code))
+    return ffi::Error::InvalidArgument("ftjax_linear: unknown wtype code " + std::to_string(wtype_code));
+  const WeightType wtype = static_cast<WeightType>(wtype_code);
+  const ffi::DataType want = wtype == WeightType::kF32    ? ffi::F32
+                             : wtype == WeightType::kBF16 ? ffi::U16
+                                                          : ffi::U8;
+  if (w.element_type() != want)
+    return ffi::Error::InvalidArgument(
+        "ftjax_linear: w must be f32 (wtype f32), uint16 bf16 bits (bf16) or uint8 rows of blocks (block types)");
+  if (wd.size() != 2 || xd.size() != 2)
+    return ffi::Error::InvalidArgument("ftjax_linear: need x [T, K] and w [N, K] (block types: [N, row bytes])");
+  int64_t K = wd[1];
+  if (ftjax::is_block_type(wtype)) {
+    const int64_t block_bytes = ftjax::row_bytes(wtype, ftjax::block_weights(wtype));
+    if (K % block_bytes)
+      return ffi::Error::InvalidArgument("ftjax_linear: a row of " + std::to_string(K) +
+                                         " bytes is not whole blocks of " + std::to_string(block_bytes));
+    K = K / block_bytes * ftjax::block_weights(wtype);
+  }
+  if (xd[1] != K)
+    return ffi::Error::InvalidArgument("ftjax_linear: x [T, " + std::to_string(xd[1]) + "] but w rows hold " +
+                                       std::to_string(K) + " weights");
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0])
     return ffi::Error::InvalidArgument("ftjax_linear: y must be [T, N]");
-  ftjax::DenseView view{w.untyped_data(), wd[0], wd[1], wtype};
+  ftjax::DenseView view{w.untyped_data(), wd[0], K, wtype};
   std::string err = ftjax::linear(view, x.typed_data(), xd[0], y->typed_data(),
                                   ftjax::shared_thread_pool(static_cast<int>(threads)),
                                   static_cast<Isa>(isa));
@@ -167,8 +182,8 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 }
 
 ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t threads, int32_t isa) noexcept {
-  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, threads, isa); });
+                       int32_t wtype, int64_t threads, int32_t isa) noexcept {
+  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, wtype, threads, isa); });
 }
 
 // Writes new [B, G, T, hd] into cache [B, G, S, hd] at row start[b] of each (b, g), in
@@ -210,8 +225,9 @@ ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxLinear, linear_impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [N, K] u16 | f32
+                                  .Arg<ffi::AnyBuffer>()         // w [N, K] f32 | u16; u8 [N, row bytes]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int32_t>("wtype")        // WeightType code of w
                                   .Attr<int64_t>("threads")
                                   .Attr<int32_t>("isa"));
 

@@ -17,8 +17,9 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
 
 // FtjaxLinear: y [T, N] f32 = x [T, K] f32 . w^T, w [N, K] an operand (uint16 bf16
-// bits or f32; on the CPU backend a device buffer *is* host memory, read in place).
-// Attributes: threads, isa as above.
+// bits or f32, or a block format's uint8 rows [N, row bytes]; on the CPU backend a
+// device buffer *is* host memory, read in place). Attributes: wtype (int32 WeightType
+// code of w, which must match its dtype), threads, isa as above.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxLinear);
 
 // FtjaxAttention: out [B, T, H, hd] f32 = causal (optionally windowed) GQA attention of

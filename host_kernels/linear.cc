@@ -12,7 +12,7 @@ constexpr int64_t kTaskBytes = 256 << 10;  // weight bytes per task
 struct LinearCall {
   const DenseView& w;
   const DotTable& dots;
-  const float* x_in;  // [T, K] in the layout `dots` expects
+  const float* x_in;  // [T, K] as `dots` reads it (prepare_activations: ActQ8 rows K floats apart)
   int64_t num_tokens;
   float* y;           // [T, N]
 };
@@ -43,10 +43,12 @@ std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float
                    ThreadPool* threads, Isa isa) {
   const Kernels* kernels = select_kernels(isa);
   if (kernels == nullptr) return "requested ISA is not available on this CPU";
+  if (w.cols % block_weights(w.wtype))
+    return "rows of K = " + std::to_string(w.cols) + " weights are not whole blocks of " +
+           std::to_string(block_weights(w.wtype));
   if (num_tokens == 0 || w.rows == 0) return "";
-  const int64_t block = kernels->layout_block(w.wtype);
   AlignedFloats x_in(num_tokens * w.cols);
-  to_layout(x, num_tokens, w.cols, block, x_in.data());
+  prepare_activations(*kernels, w.wtype, x, num_tokens, w.cols, x_in.data());
   LinearCall call{w, kernels->dots(w.wtype), x_in.data(), num_tokens, y};
   const int num_threads = threads ? threads->num_threads() : 1;
   const int64_t rows = task_rows(row_bytes(w.wtype, w.cols), kTaskBytes, w.rows, num_threads);

@@ -1,9 +1,13 @@
-// Dense linear layer y = x . W^T over a few tokens, W read in place (bf16 bits or f32).
+// Dense linear layer y = x . W^T over a few tokens, W read in place: f32, bf16 bits, or
+// any block format of kernels.h (Q8_0, Q4_0, Q4_K, Q6_K, MXFP4, FP8, ...).
 //
 // For the non-expert weights of a decode step (attention projections, router, LM
 // head): at batch 1 these are matrix-vector products, bound by how fast W streams
 // from memory, and XLA's CPU dot on bf16 operands runs far below that (0.2-0.6 GB/s measured; docs/benchmarks.md).
-// W keeps the HF nn.Linear layout [out, in] so every output is one contiguous row.
+// W keeps the HF nn.Linear layout [out, in] so every output is one contiguous row
+// (block formats: a row is K / block_weights blocks, GGUF's bytes). Block weights meet
+// activations quantised to ActQ8 blocks once per call (prepare_activations, as the
+// expert FFN does), so a Q8_0 matrix streams 1.06 bytes per weight instead of bf16's 2.
 // Tasks are blocks of rows (disjoint outputs); tokens are tiled so their activations
 // stay in cache while the rows stream, as in expert_ffn.
 #pragma once
@@ -18,13 +22,14 @@ namespace ftjax {
 
 // Letters: N output features (rows of W), K input features, T tokens.
 struct DenseView {
-  const void* w;  // [N, K] row-major
+  const void* w;  // [N, K] row-major (block types: [N, row_bytes(wtype, K)] bytes)
   int64_t rows;   // N
-  int64_t cols;   // K
+  int64_t cols;   // K, in weights
   WeightType wtype;
 };
 
-// y [T, N] = x [T, K] . W^T. Returns "" on success, else an error (missing ISA).
+// y [T, N] = x [T, K] . W^T. Returns "" on success, else an error (missing ISA, K not
+// whole blocks of wtype).
 std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float* y,
                    ThreadPool* threads, Isa isa);
 

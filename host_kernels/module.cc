@@ -99,9 +99,24 @@ void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const
 
 using W2 = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int isa) {
-  const WeightType wtype = weight_type_of(w);
-  const int64_t N = w.shape(0), K = w.shape(1), T = x.shape(0);
+// wtype_code < 0: f32 or bf16 bits, told by w's dtype; a block type: w is uint8 rows of
+// its blocks [N, row bytes].
+void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int isa, int wtype_code) {
+  WeightType wtype;
+  int64_t K = w.shape(1);
+  if (wtype_code < 0) {
+    wtype = weight_type_of(w);
+  } else {
+    if (!is_weight_type(wtype_code)) throw std::invalid_argument("unknown weight type code " + std::to_string(wtype_code));
+    wtype = static_cast<WeightType>(wtype_code);
+    if (!is_block_type(wtype)) {
+      if (weight_type_of(w) != wtype) throw std::invalid_argument("wtype does not match w's dtype");
+    } else {
+      if (w.dtype() != nb::dtype<uint8_t>()) throw std::invalid_argument("block-quantised w must be uint8 rows of blocks");
+      K = block_row_len(wtype, K);
+    }
+  }
+  const int64_t N = w.shape(0), T = x.shape(0);
   if ((int64_t)x.shape(1) != K)
     throw std::invalid_argument("x must be [T, K] with K = " + std::to_string(K));
   if ((int64_t)y.shape(0) != T || (int64_t)y.shape(1) != N)
@@ -183,7 +198,9 @@ NB_MODULE(_host_kernels, m) {
         "swiglu_limit); "
         "writes y [T, D] in place.");
   m.def("linear", &py_linear, "w"_a.noconvert(), "x"_a, "y"_a.noconvert(), "threads"_a.none(),
-        "isa"_a = 0, "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits; writes y in place.");
+        "isa"_a = 0, "wtype"_a = -1,
+        "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits (wtype -1), or a block type's "
+        "uint8 rows [N, row bytes] (wtype its DTYPE_ code); writes y in place.");
   m.def("attention", &py_attention, "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "positions"_a, "kv_len"_a,
         "window"_a, "out"_a.noconvert(), "threads"_a.none(), "isa"_a = 0,
         "Causal GQA attention over the keys in use of a head-major KV cache; writes out in place.");

@@ -5,7 +5,7 @@ so each context is set up by giving the step a state of that capacity and a posi
 that length (filling 32k tokens by prefill would take hours on a 2-core CPU); the step
 is the model's real jitted decode step (`Model._steps.decode`), with its real executor.
 One JSON line per context with commit and machine fields: median ms/token over
-`--steps` steps after a compile+warm-up round, the KV bytes read per token and the
+`--steps` steps after a compile+warm-up round (x `--rounds`, the contexts taken in turn), the KV bytes read per token and the
 achieved attention read rate.
 
     python scripts/bench_context.py --model DIR [--contexts 1024 4096 16384 32768] [--policy host]
@@ -47,7 +47,7 @@ def step_times(model, context: int, steps: int) -> list[float]:
         token, _, state, model._xstate, _ = model._steps.decode(
             model._params, state, model._xstate, model._pool_dev, token, np.array([context + i], np.int32), active,
             keys, np.array([i], np.int32), *settings)
-        int(token[0])
+        np.asarray(token)  # the step's one host sync, as the generation loop reads it
         times.append(time.perf_counter() - t0)
     return times[2:]
 
@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 16384, 32768])
     ap.add_argument("--policy", default="host")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every context this many times, in turn (a shared VM's slow spells spread over all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--attention", default="auto", choices=["auto", "xla"],
@@ -87,18 +89,21 @@ def main(argv=None) -> int:
     model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
     cfg = model.config
     kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only
-    for ctx in a.contexts:
-        if ctx + a.steps + 1 > model.max_seq_len:
-            print(json.dumps({"bench": "decode_context", "context": ctx, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
-            continue
-        ts = step_times(model, ctx, a.steps)
-        ms = statistics.median(ts) * 1e3
+    contexts = [c for c in a.contexts if c + a.steps + 1 <= model.max_seq_len]
+    for ctx in sorted(set(a.contexts) - set(contexts)):
+        print(json.dumps({"bench": "decode_context", "context": ctx, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    for _ in range(a.rounds):
+        for ctx in contexts:
+            times[ctx] += step_times(model, ctx, a.steps)
+    for ctx in contexts:
+        ms = statistics.median(times[ctx]) * 1e3
         kv_bytes = 2 * kv_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
         print(json.dumps({"bench": "decode_context", "model": model.checkpoint.path.name, "policy": a.policy,
                           "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes,
                           "kv_dtype": a.kv_dtype, "attention": a.attention,
                           "kv_read_gbps_upper": round(kv_bytes / (ms / 1e3) / 1e9, 2),
-                          "steps": a.steps, "threads": a.threads, **commit_info(), **machine_info(),
+                          "steps": a.steps, "rounds": a.rounds, "threads": a.threads, **commit_info(), **machine_info(),
                           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     for tokens in a.prefill:
         if tokens > model.max_seq_len:

@@ -270,7 +270,7 @@ def micro(cfg, pool, threads: int) -> dict:
 
     logits = jnp.asarray(rng.standard_normal((1, V), dtype=np.float32))
     from ftjax.engine.sampling import sample
-    rec("sample_greedy_V", lambda l: sample(l, jax.random.PRNGKey(0), jnp.float32(0), jnp.int32(0), jnp.float32(1)),
+    rec("sample_greedy_V", lambda l: sample(l, jax.random.PRNGKey(0)[None], jnp.float32(0), jnp.int32(0), jnp.float32(1)),
         (logits,), V * 4)
     emb = jnp.asarray(rng.standard_normal((V, D), dtype=np.float32))
     rec("embed_gather", lambda e, t: e[t], (emb, jnp.array([[5]], jnp.int32)), D * 4)

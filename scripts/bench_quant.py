@@ -10,10 +10,13 @@ One JSON line per measurement (with commit and machine):
                   prefill call (tokens/s), at 1 and 2 threads, per format (--formats)
     quant_model   a whole model (`--model`, e.g. the OLMoE geometry checkpoint of
                   `make_geometry_checkpoint.py --family olmoe`) on the host policy: steady
-                  decode tok/s and 512-token prompt tok/s, per format and thread count
+                  decode tok/s and 512-token prompt tok/s, per format, dense storage
+                  (`--dense-dtypes`: "default" keeps a GGUF's Q8_0 / ... dense matrices as
+                  stored, "float32" dequantises them, "int8" quantises a folder's at load)
+                  and thread count, with the dense bytes a decode step streams
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_quant.py [--skip-ppl] [--model /tmp/geom-olmoe]
-        [--formats bfloat16 q6_k fp8_e4m3 ...] [--experts 16]
+        [--formats bfloat16 q6_k fp8_e4m3 ...] [--experts 16] [--dense-dtypes default float32]
 """
 
 from __future__ import annotations
@@ -101,31 +104,42 @@ def kernel(threads_list: list[int], prefill_tokens: int, formats: list[str], E: 
                  ms=round(s * 1e3, 2), tok_per_s=round(prefill_tokens / s, 1))
 
 
-def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_tokens: int, formats: list[str]) -> None:
+def dense_bytes(model) -> int:
+    """Bytes of the dense params a decode step streams (all but the embedding table, whose
+    rows are gathered)."""
+    from ftjax.engine.memory import tree_bytes
+
+    return tree_bytes({k: v for k, v in model._params.items() if k != "embed"})
+
+
+def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_tokens: int, formats: list[str],
+                dense_dtypes: list[str]) -> None:
     rng = np.random.default_rng(1)
     if str(path).endswith(".gguf"):
         formats = [None]  # a GGUF's experts are used as stored
-    for name in formats:
-        for threads in threads_list:
-            model = ftjax.load(path, policy="host", threads=threads, expert_dtype=name,
-                               max_seq_len=prompt_tokens + new_tokens + 64)
-            vocab = model.config.vocab_size
-            prompt = rng.integers(0, vocab, prompt_tokens).tolist()
-            model.session().append(prompt)  # compile the prompt bucket
-            prefill = []
-            for _ in range(3):
-                t = time.perf_counter()
-                model.session().append(rng.integers(0, vocab, prompt_tokens).tolist())
-                prefill.append(time.perf_counter() - t)
-            model.generate(prompt[:16], 4)  # compile decode
-            model.generate(prompt[:16], new_tokens)
-            stats = model.last_generation
-            emit("quant_model", model=str(path), expert_format=model.checkpoint.pool.dtype, threads=threads,
-                 prompt_tokens=prompt_tokens, prefill_tok_per_s=round(prompt_tokens / statistics.median(prefill), 1),
-                 decode_tok_per_s=round(stats.decode_tok_per_s, 2), new_tokens=stats.new_tokens,
-                 expert_bytes_per_token=model.config.top_k * model.config.num_moe_layers
-                 * model.checkpoint.pool.expert_bytes)
-            del model
+    for name, dense, threads in ((n, d, t) for n in formats for d in dense_dtypes for t in threads_list):
+        model = ftjax.load(path, policy="host", threads=threads, expert_dtype=name,
+                           dense_dtype=None if dense == "default" else dense,
+                           max_seq_len=prompt_tokens + new_tokens + 64)
+        vocab = model.config.vocab_size
+        prompt = rng.integers(0, vocab, prompt_tokens).tolist()
+        model.session().append(prompt)  # compile the prompt bucket
+        prefill = []
+        for _ in range(3):
+            t = time.perf_counter()
+            model.session().append(rng.integers(0, vocab, prompt_tokens).tolist())
+            prefill.append(time.perf_counter() - t)
+        model.generate(prompt[:16], 4)  # compile decode
+        model.generate(prompt[:16], new_tokens)
+        stats = model.last_generation
+        emit("quant_model", model=str(path), expert_format=model.checkpoint.pool.dtype, threads=threads,
+             dense_dtype=model.checkpoint.dense_dtype, dense_format=model.checkpoint.dense_format,
+             dense_bytes_per_token=dense_bytes(model),
+             prompt_tokens=prompt_tokens, prefill_tok_per_s=round(prompt_tokens / statistics.median(prefill), 1),
+             decode_tok_per_s=round(stats.decode_tok_per_s, 2), new_tokens=stats.new_tokens,
+             expert_bytes_per_token=model.config.top_k * model.config.num_moe_layers
+             * model.checkpoint.pool.expert_bytes)
+        del model
 
 
 def main() -> None:
@@ -140,13 +154,15 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--experts", type=int, default=64, help="experts in the kernel pool (default: 64)")
+    ap.add_argument("--dense-dtypes", nargs="+", default=["default"],
+                    help="dense storage per whole-model line: default | float32 | bfloat16 | int8 (folders)")
     args = ap.parse_args()
     if not args.skip_ppl:
         perplexity(args.ppl_tokens, args.formats)
     if not args.skip_kernel:
         kernel(args.threads, args.prefill_tokens, args.formats, args.experts)
     if args.model:
-        whole_model(args.model, args.threads, args.prefill_tokens, args.new, args.formats)
+        whole_model(args.model, args.threads, args.prefill_tokens, args.new, args.formats, args.dense_dtypes)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,7 @@ KERNEL_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
     (2, 1, 2, 2, 8, 32, [0, 7], 0),  # a row with no key in use: zeros
     (2, 2, 16, 16, 32, 1300, [1300, 517], 37),  # hd % 16 == 0: 8-key groups, window and tails inside them
     (2, 2, 8, 2, 64, 1100, [1100, 333], 300),  # hd % 32 == 0 (AVX-512 bf16 even/odd path), GQA 4, window
+    (1, 1, 4, 2, 48, 900, [900], 0),  # hd % 16 == 0 but not % 32: AVX2 even/odd, AVX-512 plain groups
 ]
 
 

@@ -259,7 +259,95 @@ def test_state_leaves(dsv4):
     assert set(state[2]) == {"kv", "comp", "buf_kv", "buf_gate"}
     assert state[1]["buf_kv"].shape == (1, 8, 32)  # 2 windows of 4 raw rows, two series of 16
     assert state[2]["buf_kv"].shape == (1, 8, 16)  # 1 window of 8 rows
-    assert state[1]["idx_comp"].shape == (1, 32, 8)
+    assert state[1]["idx_comp"].shape == (1, 8, 8)  # one row per entry: 32 / 4
+
+
+@pytest.mark.parametrize("max_len", [1, 13, 32, 1000, 1 << 20])
+def test_state_size_does_not_grow_with_the_window(max_len):
+    """The window's keys are a ring of W rows whatever the capacity; the compressed
+    entries (and the indexer's keys) take ceil(max_len / rate) rows; nothing else
+    depends on the capacity. resize_state gives the same shapes as a fresh state, keeps
+    the ring and the buffers as they are and the entries that fit."""
+    import jax
+
+    from ftjax.models.common import init_state, resize_state
+    cfg = config_from_hf(_hf_dict())
+    W, m_csa, m_hca = 6, 4, 8
+    shapes = [{k: a.shape for k, a in layer.items()} for layer in jax.eval_shape(lambda: init_state(cfg, 2, max_len))]
+    entries = lambda m: -(-max_len // m)
+    assert shapes[0] == {"kv": (2, W, 16)}
+    assert shapes[1] == {"kv": (2, W, 16), "comp": (2, entries(m_csa), 16), "buf_kv": (2, 8, 32),
+                         "buf_gate": (2, 8, 32), "idx_comp": (2, entries(m_csa), 8), "idx_buf_kv": (2, 8, 16),
+                         "idx_buf_gate": (2, 8, 16)}
+    assert shapes[2] == {"kv": (2, W, 16), "comp": (2, entries(m_hca), 16), "buf_kv": (2, 8, 16),
+                         "buf_gate": (2, 8, 16)}
+    if max_len > 1000:
+        return
+    rng = np.random.RandomState(max_len)
+    state = jax.tree.map(lambda a: rng.randn(*a.shape).astype(np.float32), init_state(cfg, 2, 24))
+    resized = resize_state(cfg, state, max_len)
+    assert [{k: a.shape for k, a in layer.items()} for layer in resized] == shapes
+    for before, after, m in zip(state, resized, (None, m_csa, m_hca)):
+        for name, a in after.items():
+            if name.endswith("comp"):
+                n = min(a.shape[1], before[name].shape[1])
+                np.testing.assert_array_equal(np.asarray(a[:, :n]), before[name][:, :n])
+                assert not np.asarray(a[:, n:]).any()
+            else:
+                np.testing.assert_array_equal(np.asarray(a), before[name])
+
+
+def test_decode_far_past_the_window(dsv4):
+    """Decode from position 2 for 40 steps: the ring fills, then wraps six times, ten CSA
+    and four HCA windows close during decode; every step's logits equal transformers'
+    full forward over the same tokens (and ftjax's own)."""
+    hf, path = dsv4
+    model = ftjax.load(path, policy="device")
+    prompt, steps = LONG[:2], []
+    new = list(model.generate_stream(prompt, 40, step_logits=steps))
+    assert len(steps) == 40
+    ids = prompt + new[:-1]
+    assert rel_err(np.stack(steps), hf_models.hf_logits(hf, ids).numpy()[1:]) <= 2e-4
+    assert rel_err(np.stack(steps), model.logits(ids)[1:]) <= 2e-4
+
+
+def test_inactive_rows_keep_their_state(dsv4, reference):
+    """A batch row without valid tokens (a finished or padding row) leaves every leaf of
+    its state as it was, in decode (one token) and in a chunk, while the other row moves
+    on (its ring, entries and buffers change)."""
+    import jax
+    import jax.numpy as jnp
+
+    _, path = dsv4
+    model = ftjax.load(path, policy="device")
+    m = model
+
+    def run(state, tokens, start, length):
+        logits, state, m._xstate, _ = m._steps.prefill(m._params, state, m._xstate, m._pool_dev,
+                                                       jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
+                                                       jnp.asarray(length, jnp.int32))
+        return np.asarray(logits), state
+
+    tokens = np.zeros((2, 16), np.int32)
+    tokens[0, :13], tokens[1, :10] = LONG[:13], LONG[20:30]
+    logits, state = run(m.new_state(2, 64), tokens, [0, 0], [13, 10])
+    tol = 2e-5 * np.abs(reference[0]).max()
+    np.testing.assert_allclose(logits[0], reference[0][12], atol=tol, rtol=0)
+    for T, length in ((1, [1, 0]), (16, [11, 0]), (1, [0, 1])):
+        before = jax.device_get(state)
+        chunk = np.zeros((2, T), np.int32)
+        chunk[:, :max(length)] = LONG[13:13 + max(length)]
+        _, state = run(state, chunk, [13, 10] if T == 1 else [14, 10], length)
+        after = jax.device_get(state)
+        idle, busy = (1, 0) if length[0] else (0, 1)
+        for layer_before, layer_after in zip(before, after):
+            for name in layer_before:
+                np.testing.assert_array_equal(layer_after[name][idle], layer_before[name][idle], err_msg=name)
+        assert not np.array_equal(after[0]["kv"][busy], before[0]["kv"][busy])
+        assert not np.array_equal(after[1]["buf_kv"][busy], before[1]["buf_kv"][busy])
+        if T > 1:  # positions 14..24 close CSA windows (15, 19, 23) and HCA ones (15, 23)
+            for layer in (1, 2):
+                assert not np.array_equal(after[layer]["comp"][busy], before[layer]["comp"][busy])
 
 
 def test_refused_runtime_options(dsv4):

@@ -280,16 +280,26 @@ def test_unsupported_expert_types(tiny_q8, tmp_path, retype, message):
         ftjax.load(bad)
 
 
-def test_quantised_dense_tensors_are_dequantised(tiny_q8, tmp_path):
-    """A dense tensor of a quantised type (here a Q8_0 q projection) is dequantised by the
-    gguf package to a float32 [in, out] parameter."""
+def test_quantised_dense_tensors_are_kept_or_dequantised(tiny_q8, tmp_path):
+    """A dense matrix of a block type the kernels read (here a Q8_0 q projection) is kept as
+    stored (a QuantMatrix of the file's bytes, the rest of the matrices packed bf16 bits as
+    before); dense_dtype="float32" dequantises it by the gguf package to a float32 [in, out]
+    parameter. A Q4_1 one (no kernel reads it) is dequantised either way."""
+    from ftjax.models.ops import QuantMatrix
+
     path = rewrite(tiny_q8[1], tmp_path / "q8-attn.gguf", retype={"blk.0.attn_q.weight": "Q8_0"})
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
     assert t.tensor_type.name == "Q8_0"
-    model, ref = ftjax.load(path), ftjax.load(tiny_q8[1])
-    wq = np.asarray(model._params["layers"][0]["attn"]["wq"][...])
+    model, f32, ref = ftjax.load(path), ftjax.load(path, dense_dtype="float32"), ftjax.load(tiny_q8[1])
+    wq = model._params["layers"][0]["attn"]["wq"][...]
+    assert isinstance(wq, QuantMatrix) and wq.fmt == "q8_0" and np.array_equal(np.asarray(wq.data), t.data)
+    assert model.checkpoint.dense_format == "q8_0" and model.checkpoint.packed == ref.checkpoint.packed
+    wq = np.asarray(f32._params["layers"][0]["attn"]["wq"][...])
     assert np.array_equal(wq, gguf.quants.dequantize(t.data, t.tensor_type).T)
+    assert f32.checkpoint.dense_format is None and not f32.checkpoint.packed
     assert 0 < rel_err(model.logits(PROMPT), ref.logits(PROMPT)) <= 0.05
+    q41 = rewrite(tiny_q8[1], tmp_path / "q41-attn.gguf", retype={"blk.0.attn_q.weight": "Q4_1"})
+    assert ftjax.load(q41).checkpoint.dense_format is None
 
 
 @pytest.mark.parametrize("change,error,message", [

@@ -94,8 +94,11 @@ class DeviceMemory:
         self.slot_bytes = tree_bytes(model._xstate["cache"]) // ex.slots if ex.slots else 0
         tokens = prefill_tokens or min(model.prefill_chunk, model.max_seq_len)
         self.scratch = prefill_scratch_bytes(model, tokens)
-        one, two = (tree_bytes(jax.eval_shape(lambda n=n: model.new_state(1, n))) for n in (1, 2))
-        self._per_token, self._per_row = two - one, 2 * one - two  # a row: fixed leaves + per-token leaves x S
+        # A row: fixed leaves (rings, buffers) + per-token leaves x S. Measured between two large
+        # capacities, so leaves of one row per `rate` tokens (compressed entries) count as well.
+        R = 1 << 16
+        one, two = (tree_bytes(jax.eval_shape(lambda n=n: model.new_state(1, n))) for n in (R, 2 * R))
+        self._per_token, self._per_row = (two - one) / R, 2 * one - two
         self._holders: weakref.WeakSet = weakref.WeakSet()
         self._active = active_slots(model._xstate)  # kept here: reading it back would sync the device
         self.counters = {"shrinks": 0, "grows": 0, "refused": 0}
@@ -112,8 +115,9 @@ class DeviceMemory:
 
     def state_bytes(self, capacity: int, batch: int = 1) -> int:
         """Bytes of a state of `batch` rows x `capacity` tokens (exact: every leaf is a
-        fixed size or one entry per token)."""
-        return batch * (self._per_row + self._per_token * capacity)
+        fixed size, one row per token, or one row per `rate` tokens at a capacity that is a
+        multiple of the rate, as the bucketed capacities are)."""
+        return int(batch * (self._per_row + self._per_token * capacity))
 
     def room_alone(self) -> int:
         """Bytes the states may take with no expert cached and nothing else held."""

@@ -33,24 +33,33 @@ Kinds (the keys each query sees; letters as in `ftjax.models.common`, m = the ra
 Compressed layers use the "compress" RoPE (compress_rope_theta, optionally YaRN with
 attention factor 1) for the queries, the token keys and the entries alike.
 
-State (every leaf batch-first; per-token leaves on axis 1, `SEQ_AXES`):
-    kv        [B, S, hd]       every token's key (= value); the window is a mask
-    comp      [B, S, hd]       the compressed entry of the window that closes at that token,
-                               zero elsewhere (compressed kinds): per-token, so the session
-                               engine grows, trims and segments it like a KV cache; attention
-                               reads the closing rows only (comp[:, m-1::m], S/m entries)
-    idx_comp  [B, S, di]       the indexer's compressed keys, the same way (dsv4_csa)
-    buf_kv, buf_gate [B, Lb, w]  fixed leaves: the raw projections (kv, gate) of the Lb tokens
-                               before the state's position (Lb = m, or 2m with overlap, w the
-                               projection width): a window that closes in a later call pools
-                               them. `idx_buf_kv` / `idx_buf_gate` likewise for the indexer.
+State (every leaf batch-first, all of a fixed size per capacity: SEQ_AXES is empty, so
+sessions, snapshots and batches carry each leaf whole, like a recurrent state):
+    kv        [B, W, hd]       the ring of the window's keys (= values), W = sliding_window:
+                               position p at row p mod W (`ftjax.models.layers`' ring helpers,
+                               on a one-head view [B, 1, W, hd]). Decode writes the new key,
+                               then attends the min(start + 1, W) rows in use; a chunk attends
+                               [ring in position order | its own keys] with the window mask and
+                               writes back its last W real keys; a row without valid tokens
+                               leaves its ring as it is.
+    comp      [B, N, hd]       entry n (closed at position (n+1)·m - 1) at row n, N = ceil(S/m)
+                               for a capacity of S tokens (compressed kinds); resize_state grows
+                               or trims N with the capacity
+    idx_comp  [B, N, di]       the indexer's compressed keys, the same way (dsv4_csa)
+    buf_kv, buf_gate [B, Lb, w]  the raw projections (kv, gate) of the Lb tokens before the
+                               state's position (Lb = m, or 2m with overlap, w the projection
+                               width): a window that closes in a later call pools them.
+                               `idx_buf_kv` / `idx_buf_gate` likewise for the indexer.
 Each call computes the entries of the windows that close inside it (at most T/m + 1 per
 row: one gather of Lb rows each from [buffer | this call's rows]), writes them at their
-closing rows, and keeps its last Lb raw rows (per row: up to its valid tokens) as the new
+entry rows, and keeps its last Lb raw rows (per row: up to its valid tokens) as the new
 buffer, so prefill in any split, then decode, equals one full forward.
 
-Cost: `comp` stores one row per token (m times the entries' size; the price of per-token
-segments); attention itself reads S/m entries.
+Bytes per token of context (V4-Flash geometry: hd 512, W 128, di 128, bf16 state): a
+sliding layer holds a fixed 128 KiB (W rows) per row whatever the context; an HCA layer
+adds hd·2/128 = 8 B per token, a CSA layer (hd + di)·2/4 = 320 B per token (the
+per-token layout before this one held 1 KiB (kv) + 1 KiB (comp) [+ 256 B (idx_comp)]
+per token in every layer). Attention reads the W window rows and the N entries.
 """
 
 from __future__ import annotations
@@ -63,7 +72,8 @@ from flax import nnx
 
 from ftjax.config import ModelConfig
 from ftjax.models.dsa import top_k_keep
-from ftjax.models.layers import ATTENTION_BLOCK, layer_kind, resize_axis, write_rows
+from ftjax.models.layers import (ATTENTION_BLOCK, layer_kind, resize_axis, ring_in_order, ring_write_chunk,
+                                 ring_write_one)
 from ftjax.models.ops import RMSNorm, Step, linear, linear_param, param, rope_cos_sin
 
 _MASKED = -1e30  # finite: a fully masked block must not turn the running max into NaN
@@ -100,12 +110,15 @@ def rope_angles(positions: jax.Array, cfg: ModelConfig, compressed: bool) -> tup
 
 def sink_attention(q: jax.Array, kv: jax.Array, positions: jax.Array, kv_len: jax.Array, window: int,
                    sinks: jax.Array, scale: float, entries: jax.Array | None = None,
-                   entry_visible: jax.Array | None = None, block: int = ATTENTION_BLOCK) -> jax.Array:
+                   entry_visible: jax.Array | None = None, block: int = ATTENTION_BLOCK,
+                   kv_start: jax.Array | None = None) -> jax.Array:
     """Shared-KV attention with a sink, over a sliding window of the token keys plus
     (optionally) compressed entries.
 
     q [B, T, H, hd]; kv [B, S, hd] (keys = values); positions [B, T]; kv_len [B] keys in
-    use; sinks [H]; entries [B, N, hd] with entry_visible [B, T, N] -> [B, T, H, hd] f32.
+    use; sinks [H]; entries [B, N, hd] with entry_visible [B, T, N]; kv_start [B] (optional):
+    keys before it are not there (a ring's empty slots) -> [B, T, H, hd] f32. Positions
+    are those of the keys' axis (a ring's caller passes them relative to its first key).
     The token keys are read one block at a time (running max and sum, blocks outside
     the window or past the keys in use skipped); the entries are one more block; the
     sink joins the normaliser last."""
@@ -130,6 +143,8 @@ def sink_attention(q: jax.Array, kv: jax.Array, positions: jax.Array, kv_len: ja
         kb = jnp.where((k_pos[None, :] < kv_len[:, None])[..., None], kb, 0.0)
         s = jnp.einsum("bthd,bsd->bhts", qf, kb)
         visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        if kv_start is not None:
+            visible &= k_pos >= kv_start[:, None, None, None]
         return update(carry, jnp.where(visible, s, _MASKED), kb)
 
     def body(i, carry):
@@ -180,7 +195,8 @@ class Compressor(nnx.Module):
 
     def __call__(self, x: jax.Array, step: Step, state: dict[str, Any], prefix: str) -> dict[str, Any]:
         """Write the entries of the windows that close in this call (x [B, T, D]) into
-        state[prefix + "comp"] and move the raw buffer on; returns the new state."""
+        state[prefix + "comp"] (entry n at row n) and move the raw buffer on; returns the
+        new state."""
         B, T, _ = x.shape
         m, Lb, w = self.rate, self.buffer_len, self.width
         kv_new, gate_new = linear(x, self.w_kv[...]), linear(x, self.w_gate[...])  # [B, T, out]
@@ -206,8 +222,8 @@ class Compressor(nnx.Module):
         entries = rope_tail(entries[:, :, None], cos, sin)[:, :, 0]
 
         comp = state[prefix + "comp"]
-        S = comp.shape[1]
-        at = jnp.where(closes, step.start[:, None] + js, S)  # closing rows; S = dropped
+        N = comp.shape[1]
+        at = jnp.where(closes, (step.start[:, None] + js) // m, N)  # entry rows; N = dropped
         comp = comp.at[jnp.arange(B)[:, None], at].set(entries.astype(comp.dtype), mode="drop")
         keep = jax.vmap(lambda a, n: jax.lax.dynamic_slice_in_dim(a, n, Lb, axis=0))  # last Lb rows up to n_valid
         return {**state, prefix + "comp": comp,
@@ -215,19 +231,27 @@ class Compressor(nnx.Module):
                 prefix + "buf_gate": keep(ext_gate, n_valid).astype(state[prefix + "buf_gate"].dtype)}
 
 
+def entry_rows(max_len: int, rate: int) -> int:
+    """Entry rows of a capacity of max_len tokens: ceil(max_len / rate) (the last one may
+    not close inside it)."""
+    return -(-max_len // rate)
+
+
 def compressor_state(batch: int, max_len: int, dtype, prefix: str, width: int, rate: int,
                      overlap: bool) -> dict[str, jax.Array]:
-    """Fresh leaves of one compressor: the per-token entries and the raw buffer."""
+    """Fresh leaves of one compressor: one row per entry and the raw buffer."""
     out, Lb = (2 * width, 2 * rate) if overlap else (width, rate)
-    return {prefix + "comp": jnp.zeros((batch, max_len, width), dtype),
+    return {prefix + "comp": jnp.zeros((batch, entry_rows(max_len, rate), width), dtype),
             prefix + "buf_kv": jnp.zeros((batch, Lb, out), jnp.float32),
             prefix + "buf_gate": jnp.zeros((batch, Lb, out), jnp.float32)}
 
 
-def entries_of(comp: jax.Array, rate: int) -> jax.Array:
-    """The closing rows of a per-token entry leaf [B, S, w] -> [B, S // rate, w] (entry n
-    closes at row (n+1)·rate - 1)."""
-    return comp[:, rate - 1::rate][:, :comp.shape[1] // rate]
+def resize_entries(state: dict[str, Any], max_len: int, prefix: str, overlap: bool) -> dict[str, Any]:
+    """state with its prefix + "comp" leaf grown (zeros) or trimmed to entry_rows(max_len,
+    rate); the rate is read off the raw buffer (Lb = rate, or 2·rate with overlap)."""
+    Lb = state[prefix + "buf_kv"].shape[1]
+    rate = Lb // 2 if overlap else Lb
+    return {**state, prefix + "comp": resize_axis(state[prefix + "comp"], entry_rows(max_len, rate), axis=1)}
 
 
 def entry_visible(positions: jax.Array, n: int, rate: int) -> jax.Array:
@@ -240,10 +264,11 @@ def entry_visible(positions: jax.Array, n: int, rate: int) -> jax.Array:
 @layer_kind("dsv4_sliding")
 class SlidingAttention(nnx.Module):
     """Shared-KV sliding-window attention with a sink and a grouped output projection;
-    state {"kv" [B, S, hd]}. Checkpoint names `self_attn.{q_a_proj, q_a_norm, q_b_proj,
+    state {"kv" [B, W, hd]}: the window's keys as a ring (see the module docstring), a
+    fixed size whatever the context. Checkpoint names `self_attn.{q_a_proj, q_a_norm, q_b_proj,
     kv_proj, kv_norm, o_a_proj, o_b_proj, sinks}`."""
 
-    SEQ_AXES = {"kv": 1}
+    SEQ_AXES: dict[str, int] = {}  # no per-token leaf: the ring and the entry rows are carried whole
     COMPRESSED = False
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
@@ -261,11 +286,11 @@ class SlidingAttention(nnx.Module):
     # ---- state ------------------------------------------------------------------------
     @classmethod
     def init_state(cls, cfg: ModelConfig, layer: int, batch: int, max_len: int, dtype=jnp.float32) -> dict[str, Any]:
-        return {"kv": jnp.zeros((batch, max_len, cfg.head_dim), dtype)}
+        return {"kv": jnp.zeros((batch, cfg.dsv4.sliding_window, cfg.head_dim), dtype)}
 
     @classmethod
     def resize_state(cls, state: dict[str, Any], max_len: int) -> dict[str, Any]:
-        return {name: resize_axis(a, max_len, axis=1) if name in cls.SEQ_AXES else a for name, a in state.items()}
+        return state  # the ring does not depend on the capacity
 
     # ---- forward ------------------------------------------------------------------------
     def compressed(self, x: jax.Array, q_lat: jax.Array, step: Step, state: dict[str, Any]):
@@ -295,10 +320,23 @@ class SlidingAttention(nnx.Module):
         q = unweighted_rms(linear(q_lat, self.w_q_b[...]).reshape(B, T, H, hd), cfg.rms_norm_eps)
         q = rope_tail(q, cos, sin)
         kv = rope_tail(self.kv_norm(linear(x, self.w_kv[...]))[:, :, None], cos, sin)[:, :, 0]  # [B, T, hd]
-        state = {**state, "kv": write_rows(state["kv"], kv, step.start, axis=1)}
         entries, visible, state = self.compressed(x, q_lat, step, state)
-        out = sink_attention(q, state["kv"], step.positions, step.start + T, cfg.dsv4.sliding_window,
-                             self.sinks[...], hd ** -0.5, entries, visible)
+        W, sinks, scale = cfg.dsv4.sliding_window, self.sinks[...], hd ** -0.5
+        ring = state["kv"][:, None]  # [B, 1, W, hd]: the layout of layers' ring helpers (one "head")
+        if T == 1:  # the new key replaces position start - W, then the min(start + 1, W) rows in use
+            ring = ring_write_one(ring, kv[:, None], step.start % W, step.valid[:, 0])
+            q_pos = jnp.minimum(step.start, W - 1)  # every row in use visible, in any order
+            out = sink_attention(q, ring[:, 0], q_pos[:, None], q_pos + 1, W, sinks, scale, entries, visible)
+        else:  # [ring in position order | new keys]: index i holds position start - W + i
+            S = W + T
+            pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0  # whole blocks (else one block of S)
+            keys = jnp.concatenate([ring_in_order(ring, step.start)[:, 0], kv.astype(ring.dtype)], axis=1)
+            offset = step.start - W  # [B] position of key index 0
+            out = sink_attention(q, jnp.pad(keys, ((0, 0), (0, pad), (0, 0))), step.positions - offset[:, None],
+                                 jnp.full((B,), S, jnp.int32), W, sinks, scale, entries, visible,
+                                 kv_start=jnp.maximum(-offset, 0))
+            ring = ring_write_chunk(ring, kv[:, None], step.start, step.valid)
+        state = {**state, "kv": ring[:, 0]}
         out = rope_tail(out, cos, -sin).reshape(B, T, H * hd).astype(x.dtype)
         return self.grouped_output(out), state
 
@@ -308,7 +346,6 @@ class CompressedAttention(SlidingAttention):
     """Sliding window plus one compressed entry per closed window of hca_rate tokens;
     state {"kv", "comp", "buf_kv", "buf_gate"}."""
 
-    SEQ_AXES = {"kv": 1, "comp": 1}
     COMPRESSED = True
     OVERLAP = False  # CSA: two series per token, windows overlapping by one
 
@@ -325,11 +362,14 @@ class CompressedAttention(SlidingAttention):
         return {**SlidingAttention.init_state(cfg, layer, batch, max_len, dtype),
                 **compressor_state(batch, max_len, dtype, "", cfg.head_dim, cls.rate(cfg), cls.OVERLAP)}
 
+    @classmethod
+    def resize_state(cls, state: dict[str, Any], max_len: int) -> dict[str, Any]:
+        return resize_entries(state, max_len, "", cls.OVERLAP)
+
     def compressed(self, x, q_lat, step, state):
         state = self.compressor(x, step, state, "")
-        m = self.compressor.rate
-        entries = entries_of(state["comp"], m)
-        return entries, entry_visible(step.positions, entries.shape[1], m), state
+        entries = state["comp"]
+        return entries, entry_visible(step.positions, entries.shape[1], self.compressor.rate), state
 
 
 class Indexer(nnx.Module):
@@ -366,7 +406,6 @@ class SparseCompressedAttention(CompressedAttention):
     """Sliding window plus the indexer's top-k of the overlapping csa_rate entries; state
     {"kv", "comp", "buf_kv", "buf_gate", "idx_comp", "idx_buf_kv", "idx_buf_gate"}."""
 
-    SEQ_AXES = {"kv": 1, "comp": 1, "idx_comp": 1}
     OVERLAP = True
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype=jnp.float32, packed: bool = False):
@@ -383,9 +422,12 @@ class SparseCompressedAttention(CompressedAttention):
         return {**super().init_state(cfg, layer, batch, max_len, dtype),
                 **compressor_state(batch, max_len, dtype, "idx_", v.index_head_dim, v.csa_rate, True)}
 
+    @classmethod
+    def resize_state(cls, state: dict[str, Any], max_len: int) -> dict[str, Any]:
+        return resize_entries(super().resize_state(state, max_len), max_len, "idx_", True)
+
     def compressed(self, x, q_lat, step, state):
         entries, visible, state = super().compressed(x, q_lat, step, state)
         indexer = self.compressor.indexer
         state = indexer.compressor(x, step, state, "idx_")
-        keys = entries_of(state["idx_comp"], self.compressor.rate)
-        return entries, indexer.keep(x, q_lat, step, keys), state
+        return entries, indexer.keep(x, q_lat, step, state["idx_comp"]), state

@@ -33,8 +33,9 @@ Kinds
     mla_dsa     MLA plus the sparse-attention indexer and its own key cache
                 {"c_kv", "k_pe", "idx_k"} (GLM-5, `ftjax.models.dsa`).
     dsv4_sliding, dsv4_hca, dsv4_csa   DeepSeek-V4's shared-KV attention with a sink: a sliding
-                window, plus compressed entries (and the indexer's top-k of them); per-token
-                keys / entries and fixed partial-window buffers (`ftjax.models.dsv4_attention`).
+                window, plus compressed entries (and the indexer's top-k of them); the window's
+                keys as a ring (the ring helpers of sliding_attention), one row per compressed
+                entry and fixed partial-window buffers (`ftjax.models.dsv4_attention`).
 """
 
 from __future__ import annotations
@@ -271,14 +272,14 @@ class Attention(nnx.Module):
         return self._output(out, gate, x.dtype), state
 
 
-def _ring_write_one(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
+def ring_write_one(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
     """ring [B, G, W, hd] with new [B, G, 1, hd] at row slot[b] where valid[b] (other rows
     keep what they hold: an inactive batch row must not overwrite a key in its window)."""
     old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, 1, axis=1))(ring, slot)  # [B, G, 1, hd]
     return write_rows(ring, jnp.where(valid[:, None, None, None], new.astype(ring.dtype), old), slot, axis=2)
 
 
-def _ring_in_order(ring: jax.Array, start: jax.Array) -> jax.Array:
+def ring_in_order(ring: jax.Array, start: jax.Array) -> jax.Array:
     """ring [B, G, W, hd] -> the same keys in position order: index i holds position
     start[b] - W + i (row (start - W + i) mod W)."""
     W = ring.shape[2]
@@ -286,7 +287,7 @@ def _ring_in_order(ring: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: jnp.take(r, i, axis=1))(ring, rows)
 
 
-def _ring_write_chunk(ring: jax.Array, new: jax.Array, start: jax.Array, valid: jax.Array) -> jax.Array:
+def ring_write_chunk(ring: jax.Array, new: jax.Array, start: jax.Array, valid: jax.Array) -> jax.Array:
     """ring [B, G, W, hd] with the last W real rows of new [B, G, T, hd] (position
     start[b] + t at row (start + t) mod W). Padding rows and real rows more than W before
     the row's last are dropped: they would land on keys still in the window (and two
@@ -335,22 +336,22 @@ class SlidingAttention(Attention):
         B, T = q.shape[:2]
         if T == 1:
             slot = step.start % W
-            state = {"k": _ring_write_one(state["k"], k, slot, step.valid[:, 0]),
-                     "v": _ring_write_one(state["v"], v, slot, step.valid[:, 0])}
+            state = {"k": ring_write_one(state["k"], k, slot, step.valid[:, 0]),
+                     "v": ring_write_one(state["v"], v, slot, step.valid[:, 0])}
             out = attend(q, state["k"], state["v"], step.positions, jnp.minimum(step.start + 1, W))
             return self._output(out, gate, x.dtype), state
         S = W + T
         pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0  # whole blocks (else one block of S)
 
         def keys(ring, new):  # [B, G, W + T + pad, hd]: index i holds position start - W + i
-            return jnp.pad(jnp.concatenate([_ring_in_order(ring, step.start), new.astype(ring.dtype)], axis=2),
+            return jnp.pad(jnp.concatenate([ring_in_order(ring, step.start), new.astype(ring.dtype)], axis=2),
                            ((0, 0), (0, 0), (0, pad), (0, 0)))
 
         offset = step.start - W  # [B] position of key index 0
         out = blocked_attention(q, keys(state["k"], k), keys(state["v"], v), step.positions - offset[:, None],
                                 jnp.full((B,), S, jnp.int32), W, kv_start=jnp.maximum(-offset, 0))
-        state = {"k": _ring_write_chunk(state["k"], k, step.start, step.valid),
-                 "v": _ring_write_chunk(state["v"], v, step.start, step.valid)}
+        state = {"k": ring_write_chunk(state["k"], k, step.start, step.valid),
+                 "v": ring_write_chunk(state["v"], v, step.start, step.valid)}
         return self._output(out, gate, x.dtype), state
 
 
