@@ -97,7 +97,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import Keys
 from gguf import MODEL_TENSOR as T
 
-from ftjax.checkpoint import Checkpoint, CheckpointError, classify, dense_formats, expected_param_shapes, hf_name, \
+from ftjax.checkpoint import DENSE_BLOCK_FORMATS, Checkpoint, CheckpointError, classify, dense_formats, expected_param_shapes, hf_name, \
     load_checkpoint, model_config, quantisable
 from ftjax.config import ConfigError, ModelConfig
 from ftjax.experts.pool import HostExpertPool
@@ -130,7 +130,8 @@ DENSE_MLP = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)  # mlp_only layers: not in llama.
 EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4",
                   "BF16": "bfloat16", "F32": "float32", "F16": "float32"}
 WRITE_DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
-DENSE_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "MXFP4": "mxfp4"}  # -> QuantMatrix
+# dense matrices of these types stay as stored (QuantMatrix): the block formats of EXPERT_FORMATS
+DENSE_KEPT = {t: f for t, f in EXPERT_FORMATS.items() if f in DENSE_BLOCK_FORMATS}
 TAGGED_K = ("q4_k", "q6_k")  # a part whose layers mix these is stored as storage's q4_k_or_q6_k
 
 # tokenizer.ggml.pre -> the Split regex before ByteLevel (None: ByteLevel's own GPT-2 regex)

@@ -72,7 +72,7 @@ from flax import nnx
 
 from ftjax.config import ModelConfig
 from ftjax.models.dsa import top_k_keep
-from ftjax.models.layers import (ATTENTION_BLOCK, layer_kind, resize_axis, ring_in_order, ring_write_chunk,
+from ftjax.models.layers import (ATTENTION_BLOCK, layer_kind, resize_axis, ring_keys, ring_write_chunk,
                                  ring_write_one)
 from ftjax.models.ops import RMSNorm, Step, linear, linear_param, param, rope_cos_sin
 
@@ -328,13 +328,10 @@ class SlidingAttention(nnx.Module):
             q_pos = jnp.minimum(step.start, W - 1)  # every row in use visible, in any order
             out = sink_attention(q, ring[:, 0], q_pos[:, None], q_pos + 1, W, sinks, scale, entries, visible)
         else:  # [ring in position order | new keys]: index i holds position start - W + i
-            S = W + T
-            pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0  # whole blocks (else one block of S)
-            keys = jnp.concatenate([ring_in_order(ring, step.start)[:, 0], kv.astype(ring.dtype)], axis=1)
+            keys = ring_keys(ring, kv[:, None], step.start)[:, 0]
             offset = step.start - W  # [B] position of key index 0
-            out = sink_attention(q, jnp.pad(keys, ((0, 0), (0, pad), (0, 0))), step.positions - offset[:, None],
-                                 jnp.full((B,), S, jnp.int32), W, sinks, scale, entries, visible,
-                                 kv_start=jnp.maximum(-offset, 0))
+            out = sink_attention(q, keys, step.positions - offset[:, None], jnp.full((B,), W + T, jnp.int32), W,
+                                 sinks, scale, entries, visible, kv_start=jnp.maximum(-offset, 0))
             ring = ring_write_chunk(ring, kv[:, None], step.start, step.valid)
         state = {**state, "kv": ring[:, 0]}
         out = rope_tail(out, cos, -sin).reshape(B, T, H * hd).astype(x.dtype)

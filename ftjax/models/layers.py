@@ -287,6 +287,16 @@ def ring_in_order(ring: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: jnp.take(r, i, axis=1))(ring, rows)
 
 
+def ring_keys(ring: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """A chunk's keys: [ring in position order | new] -> [B, G, W + T + pad, hd], index i
+    holding position start[b] - W + i, padded to whole attention blocks (else one block of
+    W + T) for `blocked_attention`; keys past W + T are padding."""
+    S = ring.shape[2] + new.shape[2]
+    pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0
+    keys = jnp.concatenate([ring_in_order(ring, start), new.astype(ring.dtype)], axis=2)
+    return jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
+
+
 def ring_write_chunk(ring: jax.Array, new: jax.Array, start: jax.Array, valid: jax.Array) -> jax.Array:
     """ring [B, G, W, hd] with the last W real rows of new [B, G, T, hd] (position
     start[b] + t at row (start + t) mod W). Padding rows and real rows more than W before
@@ -340,16 +350,10 @@ class SlidingAttention(Attention):
                      "v": ring_write_one(state["v"], v, slot, step.valid[:, 0])}
             out = attend(q, state["k"], state["v"], step.positions, jnp.minimum(step.start + 1, W))
             return self._output(out, gate, x.dtype), state
-        S = W + T
-        pad = (-S) % ATTENTION_BLOCK if S > ATTENTION_BLOCK else 0  # whole blocks (else one block of S)
-
-        def keys(ring, new):  # [B, G, W + T + pad, hd]: index i holds position start - W + i
-            return jnp.pad(jnp.concatenate([ring_in_order(ring, step.start), new.astype(ring.dtype)], axis=2),
-                           ((0, 0), (0, 0), (0, pad), (0, 0)))
-
         offset = step.start - W  # [B] position of key index 0
-        out = blocked_attention(q, keys(state["k"], k), keys(state["v"], v), step.positions - offset[:, None],
-                                jnp.full((B,), S, jnp.int32), W, kv_start=jnp.maximum(-offset, 0))
+        out = blocked_attention(q, ring_keys(state["k"], k, step.start), ring_keys(state["v"], v, step.start),
+                                step.positions - offset[:, None], jnp.full((B,), W + T, jnp.int32), W,
+                                kv_start=jnp.maximum(-offset, 0))
         state = {"k": ring_write_chunk(state["k"], k, step.start, step.valid),
                  "v": ring_write_chunk(state["v"], v, step.start, step.valid)}
         return self._output(out, gate, x.dtype), state

@@ -108,17 +108,23 @@ def linear(x: jax.Array, w: jax.Array | QuantMatrix) -> jax.Array:
     head when every prompt position's logits are asked for) stays on the kernel.
     On an accelerator, packed weights go to its own bf16 matmul (`bf16_matmul`)."""
     if isinstance(w, QuantMatrix):
-        n_out, n_in = w.shape
-        gemm = math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS and 4 * n_out * n_in <= PACKED_GEMM_MAX_BYTES
-        boundary = host.Boundary.CALLBACK if gemm else None  # CALLBACK: XLA's dequantise and dot
-        return host.linear(x, w.data, wtype=w.fmt, boundary=boundary).astype(x.dtype)
+        if jax.default_backend() != "cpu" or _gemm_wins(x, math.prod(w.shape)):  # XLA dequantises
+            fmt = FORMATS[w.fmt]
+            return (fmt.act(x.astype(jnp.float32)) @ w.to_f32().T).astype(x.dtype)
+        return host.linear(x, w.data, wtype=w.fmt).astype(x.dtype)
     if w.dtype == jnp.uint16:
         if jax.default_backend() != "cpu":
             return bf16_matmul(x, w).astype(x.dtype)
-        if math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS and 4 * w.size <= PACKED_GEMM_MAX_BYTES:
+        if _gemm_wins(x, w.size):
             return (x.astype(jnp.float32) @ as_f32(w).T).astype(x.dtype)
         return host.linear(x, w).astype(x.dtype)
     return x @ w
+
+
+def _gemm_wins(x: jax.Array, num_weights: int) -> bool:
+    """Whether XLA's GEMM on the widened f32 matrix beats the host kernel for x's rows (see
+    `linear`): enough rows to reuse each weight, and an f32 view that is not too big."""
+    return math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS and 4 * num_weights <= PACKED_GEMM_MAX_BYTES
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
