@@ -48,7 +48,8 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, act_q8, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats
+from ftjax.experts.storage import FORMATS, act_q8, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats, \
+    to_bf16_bits
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
@@ -76,6 +77,7 @@ class Isa(enum.Enum):
     SCALAR = _hk.ISA_SCALAR
     AVX2 = _hk.ISA_AVX2  # AVX2 + FMA
     AVX512 = _hk.ISA_AVX512  # AVX-512 F
+    AVX512_BF16 = _hk.ISA_AVX512_BF16  # + BF16 and VNNI: bf16 weights meet bf16-rounded activations (asked for only)
 
 
 def has_avx2() -> bool:
@@ -83,9 +85,49 @@ def has_avx2() -> bool:
 
 
 def available_isas() -> list[Isa]:
-    """The explicit ISAs this CPU can run, narrowest first (what AUTO picks is last)."""
-    supported = {Isa.SCALAR: True, Isa.AVX2: _hk.has_avx2(), Isa.AVX512: _hk.has_avx512()}
+    """The explicit ISAs this CPU can run, narrowest first. AUTO picks the last of them but
+    AVX512_BF16 (`auto_isa`): that one rounds activations to bf16 and is used when asked for."""
+    supported = {Isa.SCALAR: True, Isa.AVX2: _hk.has_avx2(), Isa.AVX512: _hk.has_avx512(),
+                 Isa.AVX512_BF16: _hk.has_avx512_bf16()}
     return [isa for isa, ok in supported.items() if ok]
+
+
+ISA_ENV = "FTJAX_ISA"  # what AUTO means, e.g. FTJAX_ISA=avx512 keeps float32 activations on a BF16 CPU
+
+
+def auto_isa() -> Isa:
+    """The widest exact ISA of this CPU: float32 activations meet every float weight (the
+    C++ kernels' own choice for AUTO)."""
+    return [i for i in available_isas() if i is not Isa.AVX512_BF16][-1]
+
+
+def resolve_isa(isa: Isa = Isa.AUTO) -> Isa:
+    """The ISA a kernel call runs with: an explicit one as given; AUTO as $FTJAX_ISA names
+    it (scalar, avx2, avx512, avx512_bf16), else `auto_isa`."""
+    if isa is not Isa.AUTO:
+        return isa
+    name = os.environ.get(ISA_ENV, "").strip()
+    if not name or name.lower() == "auto":
+        return auto_isa()
+    try:
+        chosen = Isa[name.upper()]
+    except KeyError:
+        raise ValueError(f"${ISA_ENV}={name!r} is not an ISA ({', '.join(i.name.lower() for i in Isa)})") from None
+    if chosen is not Isa.AUTO and chosen not in available_isas():
+        raise ValueError(f"${ISA_ENV}={name!r}: this CPU has only {', '.join(i.name.lower() for i in available_isas())}")
+    return chosen
+
+
+def rounds_activations_to_bf16(isa: Isa = Isa.AUTO) -> bool:
+    """Whether the kernels under `isa` round the activations that meet bf16 weights to
+    bf16, as `vdpbf16ps` needs (AVX512_BF16; the other paths multiply float32 activations
+    by the widened weights)."""
+    return resolve_isa(isa) is Isa.AVX512_BF16
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even), as float32."""
+    return bf16_bits_to_f32(to_bf16_bits(np.asarray(x, np.float32)))
 
 
 def default_threads() -> int:
@@ -164,7 +206,7 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
         y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
-                 isa=np.int32(isa.value))
+                 isa=np.int32(resolve_isa(isa).value))
     else:
         y = fmt.act(x2) @ fmt.to_f32(w).T
     return y.reshape(*lead, N)
@@ -177,18 +219,21 @@ def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: 
     code = -1 if wtype is None else WEIGHT_TYPE_CODES[weight_format(w, wtype).name]  # -1: told by w's dtype
     x = np.ascontiguousarray(x, np.float32)
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _hk.linear(w, x, y, shared_threads(threads or default_threads()), isa.value, code)
+    _hk.linear(w, x, y, shared_threads(threads or default_threads()), resolve_isa(isa).value, code)
     return y
 
 
-def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None) -> np.ndarray:
-    """numpy (float64) reference of `linear`: x [T, K], w [N, K] (float32 or bf16 bits; or
-    a block format's uint8 rows named by `wtype`, dequantised by the format's numpy twin,
-    the activations quantised as the kernel does: `storage.quantise_activations`)."""
+def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa: Isa = Isa.AUTO) -> np.ndarray:
+    """numpy (float64) reference of `linear` under `isa`: x [T, K], w [N, K] (float32 or
+    bf16 bits; or a block format's uint8 rows named by `wtype`, dequantised by the format's
+    numpy twin), the activations quantised or rounded as the kernel does
+    (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16`)."""
     fmt = weight_format(w, wtype)
     x = np.asarray(x, np.float32)
     if fmt.act is act_q8:
         x = act_q8_numpy(x)
+    elif np.asarray(w).dtype == np.uint16 and rounds_activations_to_bf16(isa):
+        x = round_to_bf16(x)
     w64 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1).astype(np.float64)
     return (x.astype(np.float64) @ w64.T).astype(np.float32)
 
@@ -202,7 +247,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
     call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
                 window=np.int64(window), threads=np.int64(dense_threads()),
-                isa=np.int32(isa.value))
+                isa=np.int32(resolve_isa(isa).value))
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
@@ -221,7 +266,7 @@ def attention_numpy(q, k, v, positions, kv_len, window: int = 0, threads: int | 
     out = np.empty(np.shape(q), np.float32)
     _hk.attention(np.ascontiguousarray(q, np.float32), k, v, np.ascontiguousarray(positions, np.int32),
                   np.ascontiguousarray(kv_len, np.int32), int(window), out, shared_threads(threads or default_threads()),
-                  isa.value)
+                  resolve_isa(isa).value)
     return out
 
 
@@ -264,7 +309,7 @@ class HostExecutor:
         fmts = part_formats(pool.dtype)
         self._codes = {part: WEIGHT_TYPE_CODES[f.name] for part, f in fmts.items()}
         self._array_codes = {part: self._codes[part] if f.block > 1 else -1 for part, f in fmts.items()}
-        self.isa = isa if isinstance(isa, Isa) else Isa[isa.upper()]
+        self.isa = resolve_isa(isa if isinstance(isa, Isa) else Isa[isa.upper()])
         self._threads = shared_threads(threads or default_threads())
         # {calls, nanoseconds in the kernel, distinct experts read}: the handler adds to it
         # at the end of every call (the callback path likewise); `work_done` reads it.
@@ -375,7 +420,7 @@ def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 2
     workers (after a warm-up pass): the read bandwidth that a kernel streaming expert
     weights cannot beat."""
     pool = _hk.ThreadPool(threads or default_threads())
-    return list(_hk.read_bandwidth_gbps(pool, num_bytes, repeats, isa.value))
+    return list(_hk.read_bandwidth_gbps(pool, num_bytes, repeats, resolve_isa(isa).value))
 
 
 def read_bandwidth_gbps(threads: int | None = None, num_bytes: int = 256 << 20,
@@ -393,18 +438,24 @@ def _weights_f64(a: np.ndarray) -> np.ndarray:
 
 def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: np.ndarray,
                          ids: np.ndarray, weights: np.ndarray, dtype: str | None = None,
-                         swiglu_limit: float | None = None) -> np.ndarray:
+                         swiglu_limit: float | None = None, isa: Isa = Isa.AUTO) -> np.ndarray:
     """numpy (float64) reference of the kernel: gate_up [Lm, E, 2F, D], down
     [Lm, E, D, F] (float32 or bf16 bits; or a block format's uint8 rows, named by
     `dtype` (a pool format name: 'q4_k/q6_k' for two part formats), dequantised by the
-    format's numpy twin: the gguf package's for the GGUF types), x [T, D], ids / weights [T, K] -> y [T, D]."""
+    format's numpy twin: the gguf package's for the GGUF types), x [T, D], ids / weights [T, K] -> y [T, D],
+    the activations quantised or rounded as the kernel under `isa` does."""
     fmts = part_formats(dtype) if dtype is not None else None
+    parts = {"gate_up": gate_up, "down": down}
 
     def f64(a, part):
         return fmts[part].to_f32_numpy(a).astype(np.float64) if fmts else _weights_f64(a)
 
     def act(v, part):  # ActQ8 formats meet int8-quantised activations (storage.quantise_activations)
-        return act_q8_numpy(v).astype(np.float64) if fmts and fmts[part].act is act_q8 else v
+        if fmts and fmts[part].act is act_q8:
+            return act_q8_numpy(v).astype(np.float64)
+        if np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa):
+            return round_to_bf16(v).astype(np.float64)
+        return v
 
     d_ff = gate_up.shape[-2] // 2
     x = np.asarray(x, np.float64)

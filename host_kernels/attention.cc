@@ -412,6 +412,7 @@ TaskFn select_task(Isa isa) {
   switch (isa) {
     case Isa::kAuto: return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
     case Isa::kAvx512: return avx512 ? &task_avx512 : nullptr;
+    case Isa::kAvx512Bf16: return cpu_has_avx512_bf16() ? &task_avx512 : nullptr;  // K / V stay f32 math
     case Isa::kAvx2: return avx2 ? &task_avx2 : nullptr;
     default: return &task_scalar;
   }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "kernels.h"
@@ -45,18 +46,39 @@ inline void to_layout(const float* src, int64_t rows, int64_t n, int64_t block, 
     for (int64_t i = 0; i < n; ++i) dst[t * n + even_odd_pos(i, n, block)] = src[t * n + i];
 }
 
+// float -> bf16 bits, round to nearest even (NaN kept a NaN); numpy twin storage.to_bf16_bits.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Whether the dot table of weight type w reads activations converted from floats (ActQ8
+// blocks or bf16 bits) rather than floats in a layout.
+inline bool converts_activations(const Kernels& kernels, WeightType w) {
+  return uses_act_q8(w) || (w == WeightType::kBF16 && kernels.bf16_act);
+}
+
 // dst [rows, n] = src [rows, n] as the dot table of weight type w reads it: ActQ8 blocks
 // for the block types that take them (each row's n / 32 blocks at the start of its n
-// floats: 40 bytes per 32 values fit in 128), else floats in the table's layout
-// (to_layout). Done once per call; every row of the weights then meets it.
+// floats: 40 bytes per 32 values fit in 128), bf16 bits in plain order for a table with
+// bf16_act (2 bytes per value at the start of each row's n floats), else floats in the
+// table's layout (to_layout). Done once per call; every row of the weights then meets it.
 inline void prepare_activations(const Kernels& kernels, WeightType w, const float* src, int64_t rows,
                                 int64_t n, float* dst) {
-  if (!uses_act_q8(w)) {
+  if (!converts_activations(kernels, w)) {
     to_layout(src, rows, n, kernels.layout_block(w), dst);
     return;
   }
-  for (int64_t t = 0; t < rows; ++t)
-    quantise_act_q8(src + t * n, n, reinterpret_cast<ActQ8*>(dst + t * n));
+  for (int64_t t = 0; t < rows; ++t) {
+    if (uses_act_q8(w)) {
+      quantise_act_q8(src + t * n, n, reinterpret_cast<ActQ8*>(dst + t * n));
+    } else {
+      uint16_t* out = reinterpret_cast<uint16_t*>(dst + t * n);
+      for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(src[t * n + i]);
+    }
+  }
 }
 
 // Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.

@@ -86,7 +86,7 @@ struct Call {
   const float* x_in;       // [T, D] batch.x in gate_up's layout, 64-byte aligned (ActQ8
                            // types: each row D / 32 ActQ8 blocks, rows D floats apart)
   const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in h_layout
-  const float* h_in;       // what phase 2 reads: h, or (ActQ8 types) h's rows as ActQ8
+  const float* h_in;       // what phase 2 reads: h, or h's rows converted (prepare_activations)
 };
 
 const char* expert_base(const void* base, WeightType wtype, const Call& c, int64_t e, int64_t rows,
@@ -192,21 +192,21 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
-  const bool h_q8 = uses_act_q8(pool.down_wtype);
+  const bool h_converted = converts_activations(*kernels, pool.down_wtype);  // h converted after phase 1
   const int64_t num_pairs = routing.token.size();
   AlignedFloats h(num_pairs * pool.d_ff);
-  AlignedFloats h_q(h_q8 ? num_pairs * pool.d_ff : 0);
+  AlignedFloats h_q(h_converted ? num_pairs * pool.d_ff : 0);
   AlignedFloats x_in(batch.num_tokens * pool.d_model);
   prepare_activations(*kernels, pool.wtype, batch.x, batch.num_tokens, pool.d_model, x_in.data());
   Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype),
-            h_q8 ? 0 : kernels->layout_block(pool.down_wtype), layer, x_in.data(), h,
-            h_q8 ? h_q.data() : h.data()};
+            h_converted ? 0 : kernels->layout_block(pool.down_wtype), layer, x_in.data(), h,
+            h_converted ? h_q.data() : h.data()};
 
   const std::vector<GateUpTask> gate_up = plan_gate_up(pool, routing.experts.size(), num_threads);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task(call, gate_up[i]); });
-  if (h_q8)
+  if (h_converted)
     parallel_for(threads, num_pairs, [&](int64_t p) {
-      quantise_act_q8(h.data() + p * pool.d_ff, pool.d_ff, reinterpret_cast<ActQ8*>(h_q.data() + p * pool.d_ff));
+      prepare_activations(*kernels, pool.down_wtype, h.data() + p * pool.d_ff, 1, pool.d_ff, h_q.data() + p * pool.d_ff);
     });
 
   const int64_t rows = plan_down_rows(pool, num_threads);

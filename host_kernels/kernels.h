@@ -183,7 +183,9 @@ static_assert(sizeof(ActQ8) == 40, "ActQ8 layout");
 // x [n] -> n / 32 blocks (n % 32 == 0); 1.25 bytes per value, so a buffer of n floats
 // holds them.
 void quantise_act_q8(const float* x, int64_t n, ActQ8* out);
-enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+// kAuto: the widest exact one (AVX-512 F, then AVX2, then scalar). kAvx512Bf16 (only when
+// asked for): bf16 rows meet bf16-rounded activations in vdpbf16ps (kernels_avx512_bf16.cc).
+enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 
 // Software prefetch distance of the SIMD kernels. Hardware prefetchers stop at 4 KiB
 // page boundaries, and a weight row (D or F elements) is about a page: with 1 KiB
@@ -233,7 +235,8 @@ struct Kernels {
   DotTable fp8;
   DotTable q4_k_or_q6_k;
   SumFn sum;
-  int64_t bf16_block;  // activation layout of the bf16 table, see even_odd_pos
+  int64_t bf16_block;     // activation layout of the bf16 table, see even_odd_pos
+  bool bf16_act = false;  // the bf16 table reads bf16 activations (bits, plain order)
   const DotTable& dots(WeightType w) const {
     switch (w) {
       case WeightType::kBF16: return bf16;
@@ -255,10 +258,14 @@ const Kernels& scalar_kernels();
 // AVX2. Every Kernels table takes its block-format entries from one of these.
 DotTable block_table_scalar(WeightType w);
 DotTable block_table_avx2(WeightType w);
+DotTable block_table_vnni(WeightType w);  // AVX2's kernels with AVX-512 VNNI integer dots
 const Kernels* avx2_kernels();    // nullptr when not built for this architecture
 const Kernels* avx512_kernels();  // nullptr when not built for this architecture
+const Kernels* avx512_bf16_kernels();  // nullptr when not built for this architecture
 bool cpu_has_avx2_fma();
 bool cpu_has_avx512();
+bool cpu_has_vnni();         // AVX-512 F, BW, VL and VNNI: the AVX-512 table's block dots use vpdpbusd
+bool cpu_has_avx512_bf16();  // and BF16
 
 // kAuto -> the widest ISA the CPU has; nullptr if a forced ISA is missing.
 const Kernels* select_kernels(Isa isa);

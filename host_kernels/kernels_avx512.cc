@@ -179,12 +179,20 @@ FTJAX_AVX512 float sum_avx512(const float* data, int64_t n) {
 }  // namespace
 
 const Kernels* avx512_kernels() {
-  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), block_table_avx2(WeightType::kQ8_0),
-                         block_table_avx2(WeightType::kQ4_0),
-                         block_table_avx2(WeightType::kQ4_K), block_table_avx2(WeightType::kQ6_K),
-                         block_table_avx2(WeightType::kMXFP4), block_table_avx2(WeightType::kFP8_E4M3),
-                         block_table_avx2(WeightType::kQ4_K_OR_Q6_K), &sum_avx512, 32};
+  // block formats: VNNI's integer dots where the CPU has them (exact: the same outputs)
+  static const auto blocks = cpu_has_vnni() ? &block_table_vnni : &block_table_avx2;
+  static const Kernels k{FTJAX_TABLE(float), FTJAX_TABLE(uint16_t), blocks(WeightType::kQ8_0),
+                         blocks(WeightType::kQ4_0),
+                         blocks(WeightType::kQ4_K), blocks(WeightType::kQ6_K),
+                         blocks(WeightType::kMXFP4), blocks(WeightType::kFP8_E4M3),
+                         blocks(WeightType::kQ4_K_OR_Q6_K), &sum_avx512, 32};
   return &k;
+}
+
+bool cpu_has_vnni() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return has;
 }
 
 bool cpu_has_avx512() {
@@ -200,6 +208,7 @@ bool cpu_has_avx512() {
 namespace ftjax {
 const Kernels* avx512_kernels() { return nullptr; }
 bool cpu_has_avx512() { return false; }
+bool cpu_has_vnni() { return false; }
 }  // namespace ftjax
 
 #endif

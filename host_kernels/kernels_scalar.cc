@@ -79,6 +79,7 @@ const Kernels& scalar_kernels() {
 const Kernels* select_kernels(Isa isa) {
   const Kernels* avx2 = cpu_has_avx2_fma() ? avx2_kernels() : nullptr;
   const Kernels* avx512 = cpu_has_avx512() ? avx512_kernels() : nullptr;
+  const Kernels* avx512_bf16 = cpu_has_avx512_bf16() ? avx512_bf16_kernels() : nullptr;
   switch (isa) {
     case Isa::kScalar:
       return &scalar_kernels();
@@ -86,9 +87,11 @@ const Kernels* select_kernels(Isa isa) {
       return avx2;
     case Isa::kAvx512:
       return avx512;
+    case Isa::kAvx512Bf16:
+      return avx512_bf16;
     case Isa::kAuto:
     default:
-      return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();
+      return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();  // exact: AVX512_BF16 is asked for
   }
 }
 

@@ -217,11 +217,13 @@ NB_MODULE(_host_kernels, m) {
         "PyCapsule of the dense linear XLA FFI handler (CPU platform).");
   m.def("has_avx2", &cpu_has_avx2_fma);
   m.def("has_avx512", &cpu_has_avx512);
+  m.def("has_avx512_bf16", &cpu_has_avx512_bf16);
   m.def("hardware_cores", &hardware_cores);
   m.attr("ISA_AUTO") = (int)Isa::kAuto;
   m.attr("ISA_SCALAR") = (int)Isa::kScalar;
   m.attr("ISA_AVX2") = (int)Isa::kAvx2;
   m.attr("ISA_AVX512") = (int)Isa::kAvx512;
+  m.attr("ISA_AVX512_BF16") = (int)Isa::kAvx512Bf16;
   m.attr("DTYPE_F32") = (int)WeightType::kF32;
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;
