@@ -31,11 +31,12 @@
 //           of a whole super-block in one more FMA, against the activation blocks' sums
 //           s); also used by the AVX-512 table on a CPU without VNNI (the integer work is
 //           256 bits wide either way);
-//   VNNI:   the same source (kernels_quant_simd.inc, compiled twice) with the pair sums in
-//           one vpdpbusd (AVX-512 VNNI at 256 bits), and the scales of Q4_K / Q6_K in an
-//           int32 multiply: integer-exact, so its outputs equal AVX2's to the bit. Used by
-//           the AVX-512 tables when the CPU has VNNI (prefill 1.1-1.2x for Q8_0 / Q4_0 /
-//           MXFP4 on Zen 4; Q4_K / Q6_K ~1.0x).
+//   VNNI:   the same source (kernels_quant_simd.inc, compiled twice) with the unscaled pair
+//           sums (Q8_0 / Q4_0 / MXFP4) in one vpdpbusd (AVX-512 VNNI at 256 bits); Q4_K /
+//           Q6_K keep maddubs + madd by their scales (an int32 multiply after vpdpbusd was
+//           10% slower). Integer-exact, so its outputs equal AVX2's to the bit. Used by the
+//           AVX-512 tables when the CPU has VNNI (prefill 1.1-1.2x for Q8_0 / Q4_0 / MXFP4
+//           on Zen 4).
 // Q6_K: the 6-bit levels centred (q - 32, signed) so the sign trick of Q8_0 applies, and
 // the madd by a vector of two scales (sc_lo in the 8 pair sums of bytes 0-15, sc_hi in
 // those of 16-31). MXFP4: a pshufb of the nibbles through the 16 doubled e2m1 values,
