@@ -48,7 +48,7 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, act_q8, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats, \
+from ftjax.experts.storage import FORMATS, bf16_bits_to_f32, format_of, part_formats, \
     to_bf16_bits
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
@@ -212,6 +212,20 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
     return y.reshape(*lead, N)
 
 
+def quantise_activations_native(x: np.ndarray, block: int, isa: Isa = Isa.AUTO
+                                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host kernels' int8 activation quantiser under `isa` (scalar, or AVX2 for the SIMD
+    tables): x [T, n] -> q [T, n] int8, d [T, n / block] float32 and, for block 256 (the K
+    formats' ActQ8K), bsums [T, n / 16] int16, the sums of each 16 q (else [T, 0]). Its numpy
+    twin is `storage.quantise_activations`."""
+    x = np.ascontiguousarray(x, np.float32)
+    T, n = x.shape
+    q, d = np.empty((T, n), np.int8), np.empty((T, n // block), np.float32)
+    bsums = np.empty((T, n // 16 if block == 256 else 0), np.int16)
+    _hk.quantise_activations(x, block, q, d, bsums, resolve_isa(isa).value)
+    return q, d, bsums
+
+
 def linear_numpy(x: np.ndarray, w: np.ndarray, threads: int | None = None, isa: Isa = Isa.AUTO,
                  wtype: str | None = None) -> np.ndarray:
     """The same kernel called from numpy: x [T, K] float32, w [N, K] (or a block format's
@@ -230,8 +244,8 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16`)."""
     fmt = weight_format(w, wtype)
     x = np.asarray(x, np.float32)
-    if fmt.act is act_q8:
-        x = act_q8_numpy(x)
+    if fmt.act_block:
+        x = fmt.act_numpy(x)
     elif np.asarray(w).dtype == np.uint16 and rounds_activations_to_bf16(isa):
         x = round_to_bf16(x)
     w64 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1).astype(np.float64)
@@ -450,9 +464,9 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
     def f64(a, part):
         return fmts[part].to_f32_numpy(a).astype(np.float64) if fmts else _weights_f64(a)
 
-    def act(v, part):  # ActQ8 formats meet int8-quantised activations (storage.quantise_activations)
-        if fmts and fmts[part].act is act_q8:
-            return act_q8_numpy(v).astype(np.float64)
+    def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
+        if fmts and fmts[part].act_block:
+            return fmts[part].act_numpy(v).astype(np.float64)
         if np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa):
             return round_to_bf16(v).astype(np.float64)
         return v

@@ -1,6 +1,6 @@
 // Building blocks shared by the host kernels that stream weight rows against a few
 // activation vectors (expert_ffn.cc, linear.cc): aligned scratch, the even/odd
-// activation layout and the ActQ8 activations of block weights, row x vector tiles, and
+// activation layout and the int8 activations (ActQ8, ActQ8K) of block weights, row x vector tiles, and
 // how rows are cut into pool tasks.
 #pragma once
 
@@ -54,15 +54,15 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Whether the dot table of weight type w reads activations converted from floats (ActQ8
+// Whether the dot table of weight type w reads activations converted from floats (int8
 // blocks or bf16 bits) rather than floats in a layout.
 inline bool converts_activations(const Kernels& kernels, WeightType w) {
-  return uses_act_q8(w) || (w == WeightType::kBF16 && kernels.bf16_act);
+  return act_block(w) != 0 || (w == WeightType::kBF16 && kernels.bf16_act);
 }
 
-// dst [rows, n] = src [rows, n] as the dot table of weight type w reads it: ActQ8 blocks
-// for the block types that take them (each row's n / 32 blocks at the start of its n
-// floats: 40 bytes per 32 values fit in 128), bf16 bits in plain order for a table with
+// dst [rows, n] = src [rows, n] as the dot table of weight type w reads it: ActQ8 or
+// ActQ8K blocks for the block types that take them (act_block; each row's blocks at the
+// start of its n floats: 40 bytes per 32 values, 320 per 256, fit in 4 bytes a value), bf16 bits in plain order for a table with
 // bf16_act (2 bytes per value at the start of each row's n floats), else floats in the
 // table's layout (to_layout). Done once per call; every row of the weights then meets it.
 inline void prepare_activations(const Kernels& kernels, WeightType w, const float* src, int64_t rows,
@@ -72,8 +72,10 @@ inline void prepare_activations(const Kernels& kernels, WeightType w, const floa
     return;
   }
   for (int64_t t = 0; t < rows; ++t) {
-    if (uses_act_q8(w)) {
-      quantise_act_q8(src + t * n, n, reinterpret_cast<ActQ8*>(dst + t * n));
+    if (act_block(w) == ActQ8K::kValues) {
+      quantise_act_q8k(src + t * n, n, reinterpret_cast<ActQ8K*>(dst + t * n), kernels.simd_quantise);
+    } else if (act_block(w) == kQuantBlock) {
+      quantise_act_q8(src + t * n, n, reinterpret_cast<ActQ8*>(dst + t * n), kernels.simd_quantise);
     } else {
       uint16_t* out = reinterpret_cast<uint16_t*>(dst + t * n);
       for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(src[t * n + i]);

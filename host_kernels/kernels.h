@@ -129,7 +129,7 @@ inline void q4_k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
 
 // All 16 at once with 32-bit word operations (llama.cpp's utmp trick; the words are
 // little-endian): out[0..7] = sc_0..7, out[8..15] = m_0..7.
-inline void q4_k_unpack_scales(const uint8_t* s, uint8_t* out) {
+__attribute__((always_inline)) inline void q4_k_unpack_scales(const uint8_t* s, uint8_t* out) {
   constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
   uint32_t w[3], u[4];
   std::memcpy(w, s, 12);
@@ -168,21 +168,37 @@ inline float weight_at(const uint16_t* row, int64_t i) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-// Activations meeting block-format weights are quantised the same way, per 32: an f32
-// scale d = max|x| / 127 and q = round-to-even(x * (1 / d)) (d = 0: q = 0), so a
-// block's dot product is d_w * d_x * (integer sum of 32 products), exact in int32.
-// The block also carries s = d * sum(q), the sum of its dequantised values, which is
-// all a Q4_K min (a constant per sub-block) needs: its term is dmin * m_j * s.
-// numpy and XLA twins: ftjax.experts.storage.quantise_activations.
+// Activations meeting block-format weights are quantised to int8. Q8_0 / Q4_0 / MXFP4 meet
+// ActQ8, per 32 values: an f32 scale d = max|x| / 127 and q = round-to-even(x * (1 / d))
+// (d = 0: q = 0), so a block's dot product is d_w * d_x * (integer sum of 32 products),
+// exact in int32. (It also carries s = d * sum(q), the sum of its dequantised values.)
 struct ActQ8 {
+  static constexpr int64_t kValues = kQuantBlock;
   float d;
   float s;  // d * sum_i qs[i]
   int8_t qs[kQuantBlock];
 };
 static_assert(sizeof(ActQ8) == 40, "ActQ8 layout");
-// x [n] -> n / 32 blocks (n % 32 == 0); 1.25 bytes per value, so a buffer of n floats
-// holds them.
-void quantise_act_q8(const float* x, int64_t n, ActQ8* out);
+// The K super-block types (Q4_K, Q6_K) meet ActQ8K, the same quantiser per 256 values (one
+// super-block: llama.cpp's Q8_K), with the sums of each 16 q's: a whole super-block's
+// scaled sub-block dots add up in int32 before one conversion and one FMA by d * d_x, and
+// the constant-per-sub-block terms (Q4_K's mins, Q6_K's -32 offset) are one integer dot of
+// the sub-block scales with bsums. 320 bytes per 256 values (the qs at a 64-byte boundary
+// when the row is); 1.25 bytes per value like ActQ8.
+struct ActQ8K {
+  static constexpr int64_t kValues = 256;
+  int8_t qs[kValues];
+  int16_t bsums[kValues / 16];  // sum of qs[16g .. 16g + 15]
+  float d;
+  uint8_t pad[28];
+};
+static_assert(sizeof(ActQ8K) == 320, "ActQ8K layout");
+// x [n] -> n / 32 ActQ8 blocks (n % 32 == 0), or n / 256 ActQ8K blocks (n % 256 == 0);
+// 1.25 bytes per value, so a buffer of n floats holds them. simd: AVX2, 8 values at a time
+// (the same bytes; the SIMD tables ask for it, Kernels::simd_quantise). numpy and XLA
+// twins: ftjax.experts.storage.quantise_activations (block 32 or 256).
+void quantise_act_q8(const float* x, int64_t n, ActQ8* out, bool simd);
+void quantise_act_q8k(const float* x, int64_t n, ActQ8K* out, bool simd);
 // kAuto: the widest exact one (AVX-512 F, then AVX2, then scalar). kAvx512Bf16 (only when
 // asked for): bf16 rows meet bf16-rounded activations in vdpbf16ps (kernels_avx512_bf16.cc).
 enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
@@ -197,7 +213,7 @@ constexpr int kMaxRows = 4;  // R
 constexpr int kMaxVecs = 3;  // J
 
 // out[r * J + j] = sum_i rows[r][i] * vecs[j][i], i in [0, n). For block weight types
-// the vectors are ActQ8 blocks (quantise_act_q8), passed through the same pointers.
+// the vectors are ActQ8 / ActQ8K blocks (act_block), passed through the same pointers.
 using DotFn = void (*)(const void* const* rows, const float* const* vecs, int64_t n,
                        float* out);
 // Sum of n floats (the read-bandwidth probe).
@@ -237,6 +253,7 @@ struct Kernels {
   SumFn sum;
   int64_t bf16_block;     // activation layout of the bf16 table, see even_odd_pos
   bool bf16_act = false;  // the bf16 table reads bf16 activations (bits, plain order)
+  bool simd_quantise = false;  // int8 activations quantised with AVX2 (quantise_act_q8)
   const DotTable& dots(WeightType w) const {
     switch (w) {
       case WeightType::kBF16: return bf16;
@@ -271,8 +288,19 @@ bool cpu_has_avx512_bf16();  // and BF16
 const Kernels* select_kernels(Isa isa);
 
 inline bool is_block_type(WeightType w) { return w != WeightType::kF32 && w != WeightType::kBF16; }
-// Block types whose dots take ActQ8 activation blocks (all but FP8, which takes floats).
-inline bool uses_act_q8(WeightType w) { return is_block_type(w) && w != WeightType::kFP8_E4M3; }
+// Values per int8 activation block the dots of weight type w take: 256 (ActQ8K) for the K
+// super-block types, 32 (ActQ8) for the other block types but FP8, 0 (floats) otherwise.
+inline int64_t act_block(WeightType w) {
+  switch (w) {
+    case WeightType::kQ4_K:
+    case WeightType::kQ6_K:
+    case WeightType::kQ4_K_OR_Q6_K: return ActQ8K::kValues;
+    case WeightType::kQ8_0:
+    case WeightType::kQ4_0:
+    case WeightType::kMXFP4: return kQuantBlock;
+    default: return 0;
+  }
+}
 inline bool is_weight_type(int32_t code) { return code >= 0 && code <= 8; }
 
 // Weights per block (1 for the plain types): a row's length must be a multiple of it.

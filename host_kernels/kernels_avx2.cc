@@ -177,7 +177,8 @@ const Kernels* avx2_kernels() {
                          block_table_avx2(WeightType::kQ4_0),
                          block_table_avx2(WeightType::kQ4_K), block_table_avx2(WeightType::kQ6_K),
                          block_table_avx2(WeightType::kMXFP4), block_table_avx2(WeightType::kFP8_E4M3),
-                         block_table_avx2(WeightType::kQ4_K_OR_Q6_K), &sum_avx2, 16};
+                         block_table_avx2(WeightType::kQ4_K_OR_Q6_K), &sum_avx2, 16,
+                         /*bf16_act=*/false, /*simd_quantise=*/true};
   return &k;
 }
 

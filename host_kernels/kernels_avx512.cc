@@ -185,7 +185,8 @@ const Kernels* avx512_kernels() {
                          blocks(WeightType::kQ4_0),
                          blocks(WeightType::kQ4_K), blocks(WeightType::kQ6_K),
                          blocks(WeightType::kMXFP4), blocks(WeightType::kFP8_E4M3),
-                         blocks(WeightType::kQ4_K_OR_Q6_K), &sum_avx512, 32};
+                         blocks(WeightType::kQ4_K_OR_Q6_K), &sum_avx512, 32,
+                         /*bf16_act=*/false, /*simd_quantise=*/true};
   return &k;
 }
 

@@ -111,7 +111,8 @@ const Kernels* avx512_bf16_kernels() {
                          block_table_vnni(WeightType::kQ4_K_OR_Q6_K),
                          base->sum,
                          0,
-                         /*bf16_act=*/true};
+                         /*bf16_act=*/true,
+                         /*simd_quantise=*/true};
   return &k;
 }
 

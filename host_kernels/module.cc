@@ -7,11 +7,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "attention.h"
+#include "blocks.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
 #include "ffi_handler.h"
@@ -101,6 +104,40 @@ using W2 = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 // wtype_code < 0: f32 or bf16 bits, told by w's dtype; a block type: w is uint8 rows of
 // its blocks [N, row bytes].
+// The int8 activation quantiser of the block formats (kernels.h) under `isa`, unpacked:
+// x [T, n] -> q [T, n] int8, d [T, n / block] float32, bsums [T, n / 16] int16 (block 256,
+// ActQ8K; block 32 writes none).
+void py_quantise_activations(const X2& x, int64_t block, nb::ndarray<int8_t, nb::ndim<2>, nb::c_contig> q,
+                             nb::ndarray<float, nb::ndim<2>, nb::c_contig> d,
+                             nb::ndarray<int16_t, nb::ndim<2>, nb::c_contig> bsums, int isa) {
+  const int64_t T = x.shape(0), n = x.shape(1);
+  if (block != kQuantBlock && block != ActQ8K::kValues) throw std::invalid_argument("block must be 32 or 256");
+  if (n % block) throw std::invalid_argument("x rows must be whole blocks");
+  if ((int64_t)q.shape(0) != T || (int64_t)q.shape(1) != n || (int64_t)d.shape(0) != T ||
+      (int64_t)d.shape(1) != n / block || (block == ActQ8K::kValues && ((int64_t)bsums.shape(0) != T ||
+                                                                       (int64_t)bsums.shape(1) != n / 16)))
+    throw std::invalid_argument("q must be [T, n], d [T, n / block], bsums [T, n / 16] (block 256)");
+  const Kernels* kernels = select_kernels(static_cast<Isa>(isa));
+  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available on this CPU");
+  const WeightType w = block == kQuantBlock ? WeightType::kQ8_0 : WeightType::kQ4_K;  // a type that takes them
+  std::vector<float> buf(n);
+  for (int64_t t = 0; t < T; ++t) {
+    prepare_activations(*kernels, w, x.data() + t * n, 1, n, buf.data());
+    for (int64_t b = 0; b < n / block; ++b) {
+      if (block == kQuantBlock) {
+        const ActQ8& a = reinterpret_cast<const ActQ8*>(buf.data())[b];
+        std::memcpy(q.data() + t * n + b * block, a.qs, block);
+        d.data()[t * (n / block) + b] = a.d;
+      } else {
+        const ActQ8K& a = reinterpret_cast<const ActQ8K*>(buf.data())[b];
+        std::memcpy(q.data() + t * n + b * block, a.qs, block);
+        d.data()[t * (n / block) + b] = a.d;
+        std::memcpy(bsums.data() + t * (n / 16) + b * 16, a.bsums, sizeof a.bsums);
+      }
+    }
+  }
+}
+
 void py_linear(const W2& w, const X2& x, const Y2& y, ThreadPool* threads, int isa, int wtype_code) {
   WeightType wtype;
   int64_t K = w.shape(1);
@@ -201,6 +238,10 @@ NB_MODULE(_host_kernels, m) {
         "isa"_a = 0, "wtype"_a = -1,
         "y [T, N] = x [T, K] . w^T, w [N, K] float32 or bf16 bits (wtype -1), or a block type's "
         "uint8 rows [N, row bytes] (wtype its DTYPE_ code); writes y in place.");
+  m.def("quantise_activations", &py_quantise_activations, "x"_a, "block"_a, "q"_a.noconvert(), "d"_a.noconvert(),
+        "bsums"_a.noconvert(), "isa"_a = 0,
+        "The block formats' int8 activation quantiser, unpacked into q [T, n], d [T, n / block] and "
+        "(block 256) bsums [T, n / 16].");
   m.def("attention", &py_attention, "q"_a, "k"_a.noconvert(), "v"_a.noconvert(), "positions"_a, "kv_len"_a,
         "window"_a, "out"_a.noconvert(), "threads"_a.none(), "isa"_a = 0,
         "Causal GQA attention over the keys in use of a head-major KV cache; writes out in place.");

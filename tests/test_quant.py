@@ -92,6 +92,42 @@ def test_newer_block_kernels_match_reference(fmt, isa, num_tokens):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
 
 
+def random_k_rows(rng, fmt: str, rows: int, n: int) -> np.ndarray:
+    """[rows, n / 256 * block_bytes] uint8: Q4_K / Q6_K super-blocks of random bytes (any
+    level, scale and min the format can hold) with f16 scales d (and dmin) in [0.5, 2)."""
+    f = FORMATS[fmt]
+    blocks = rng.integers(0, 256, (rows, n // f.block, f.block_bytes), dtype=np.uint8)
+    at = slice(0, 4) if fmt == "q4_k" else slice(f.block_bytes - 2, f.block_bytes)  # d, dmin | d
+    halves = rng.uniform(0.5, 2.0, (rows, n // f.block, (at.stop - at.start) // 2)).astype(np.float16)
+    blocks[..., at] = halves.view(np.uint8).reshape(rows, n // f.block, -1)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("isa", available_isas(), ids=lambda i: i.name)
+def test_k_kernels_on_extreme_blocks(fmt, isa):
+    """The K kernels' int32 super-block sums (ActQ8K: one activation scale per 256, bsums for
+    Q4_K's mins and Q6_K's -32 offset) hold at the extremes: random block bytes (every
+    level, scales -128..127, mins 63), activations at +-127 after quantisation (one
+    outlier per 256 or all equal) and all-zero blocks; 1 and 5 tokens."""
+    rng = np.random.default_rng(5)
+    n, rows = 1024, 24
+    w = random_k_rows(rng, fmt, rows, n)
+    if fmt == "q6_k":  # a row of the largest levels and scales of both signs
+        w.reshape(rows, -1, 210)[0, :, :192] = 0xFF
+        w.reshape(rows, -1, 210)[0, :, 192:208] = np.array([128, 127] * 8, np.uint8)
+    else:  # nibbles 15, every 6-bit scale and min 63
+        w.reshape(rows, -1, 144)[0, :, 4:] = 0xFF
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    x[0] = np.sign(x[0])  # every |q_x| = 127
+    x[1, ::256] = 1e3  # an outlier per super-block: the rest quantise to small levels
+    x[2, 256:512] = 0.0  # an all-zero super-block: scale 0
+    for t in (1, 5):
+        y = host.linear_numpy(x[:t], w, threads=2, isa=isa, wtype=fmt)
+        ref = host.reference_linear(x[:t], w, wtype=fmt, isa=isa)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
+
+
 def tagged_k_pool(rng, d_model: int, d_ff: int) -> HostExpertPool:
     """Two MoE layers of 4 experts: gate_up Q4_K; down Q4_K in layer 0 and Q6_K in layer 1,
     both behind tags (a GGUF Q4_K_M file's ffn_down_exps), 'q4_k/q4_k_or_q6_k'."""
@@ -250,6 +286,39 @@ def test_activation_quantiser_twins():
     # XLA may fold the /127 into a multiply: the same values up to one float rounding
     np.testing.assert_allclose(np.asarray(act_q8(jnp.asarray(x))), act_q8_numpy(x), rtol=1e-6, atol=0)
     np.testing.assert_allclose(act_q8_numpy(x), x, rtol=0, atol=float(np.abs(x).max()) / 254 + 1e-12)
+    # the K formats' blocks of 256 (ActQ8K): one scale per row here
+    x = np.concatenate([x, x[:, ::-1] * 0.5], axis=1)  # [4, 256]
+    q, d = quantise_activations(x, 256)
+    assert d.shape == (4, 1) and np.abs(q).max(axis=-1).tolist() == [127, 127, 127, 0]
+    np.testing.assert_allclose(np.asarray(act_q8(jnp.asarray(x), 256)), act_q8_numpy(x, 256), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(act_q8_numpy(x, 256), x, rtol=0, atol=float(np.abs(x).max(axis=-1).max()) / 254)
+    assert FORMATS["q4_k"].act_block == FORMATS["q6_k"].act_block == FORMATS["q4_k_or_q6_k"].act_block == 256
+    assert FORMATS["q8_0"].act_block == FORMATS["q4_0"].act_block == FORMATS["mxfp4"].act_block == 32
+    assert FORMATS["fp8_e4m3"].act_block == FORMATS["bfloat16"].act_block == 0
+
+
+@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("isa", available_isas(), ids=lambda i: i.name)
+def test_native_activation_quantiser_equals_numpy(isa, block):
+    """The host kernels' quantiser (scalar, or 8 values at a time with AVX2 for the SIMD
+    tables) gives the numpy twin's bytes and scales exactly, and ActQ8K's bsums are the sums
+    of each 16 q: rows of mixed scales, exact halves (x * id on a .5: round to even),
+    an all-zero row, values that round to +-127."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((6, 512)) * np.array([1e-3, 1.0, 30.0, 0.0, 1.0, 1.0])[:, None]).astype(np.float32)
+    x[4] = np.clip(np.round(rng.standard_normal(512) * 40), -126, 126) + 0.5  # d = 1: q = x rounds exact halves
+    x[4, ::block] = 127.0
+    x[5, ::7] = -x[5, ::7] * 50
+    q, d, bsums = host.quantise_activations_native(x, block, isa=isa)
+    q_ref, d_ref = quantise_activations(x, block)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(d, d_ref)
+    assert not q[3].any() and np.abs(q).max() == 127
+    assert (d[4] == 1).all() and (q[4] % 2 == 0)[x[4] % 1 == 0.5].all()  # halves went to even
+    if block == 256:
+        np.testing.assert_array_equal(bsums, q.reshape(6, -1, 16).astype(np.int32).sum(-1))
+    else:
+        assert bsums.shape == (6, 0)
 
 
 @pytest.mark.parametrize("fmt,tolerance", [("q8_0", 0.025), ("q4_0", 0.2), ("q4_k", 0.16), ("q6_k", 0.05),

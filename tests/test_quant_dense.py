@@ -102,6 +102,21 @@ def test_quant_matrix_uses_xla_for_many_rows():
         assert (host.LINEAR_FFI_TARGET in fn.lower(jnp.asarray(x), q).as_text()) == kernel
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_k_quant_matrix_always_uses_the_kernel(fmt):
+    """The K super-block formats stay on the host kernel at any row count (it beats XLA's
+    dequantise + f32 GEMM there, `ops.linear`), and equal the reference."""
+    from ftjax.models.ops import PACKED_GEMM_MIN_TOKENS
+
+    rng = np.random.default_rng(6)
+    for rows in (1, PACKED_GEMM_MIN_TOKENS):
+        x, w = make(rng, fmt, 24, 256, rows)
+        q = QuantMatrix(jnp.asarray(w), fmt)
+        fn = jax.jit(model_linear)
+        assert_close(np.asarray(fn(jnp.asarray(x), q)), reference_linear(x, w, fmt))
+        assert host.LINEAR_FFI_TARGET in fn.lower(jnp.asarray(x), q).as_text()
+
+
 def test_bad_weight_types_raise():
     rng = np.random.default_rng(4)
     x, w = make(rng, "q8_0", 8, 64, 2)

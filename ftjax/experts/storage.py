@@ -91,9 +91,13 @@ Two things live here.
    8-bit integers, and the host kernel converts e4m3 to float in registers (exactly,
    through f16) at no cost to a memory-bound row stream.
 
-   Every other block format meets activations quantised to int8 per 32 values (`act_q8`): a
-   Q4_K sub-block of 32 is then one integer dot and one integer sum,
-   d*sc_j*d_x*sum(q*q_x) - dmin*m_j*d_x*sum(q_x), which is how the host kernel computes it.
+   Every other block format meets activations quantised to int8 (`Format.act_block`,
+   `act_q8`): per 32 values for Q8_0 / Q4_0 / MXFP4, per 256 (one scale d_x per super-block,
+   llama.cpp's Q8_K) for Q4_K / Q6_K. A Q4_K super-block is then two integer sums,
+   d*d_x*sum_j(sc_j*sum(q*q_x)) - dmin*d_x*sum_j(m_j*sum(q_x)), one conversion each, which
+   is how the host kernel computes it (per-32 activation scales cost a conversion and an
+   FMA per sub-block: 0.6x llama.cpp's Q4_K speed on Zen 4). The price is precision: a
+   scale per 256 values rounds the small ones of a block more coarsely.
 
    A pool's two expert parts may have different formats (`pool_format`: 'q4_k/q6_k' is a
    GGUF file's gate / up in Q4_K and down in Q6_K; `part_formats` splits the name).
@@ -156,6 +160,7 @@ def _bf16_to_f32(w: jax.Array) -> jax.Array:
 
 
 QUANT_BLOCK = 32  # weights per block of Q8_0 / Q4_0 / MXFP4, per sub-block of Q4_K, per activation block
+K_ACT_BLOCK = 256  # values per activation block meeting the K super-block types (ActQ8K)
 Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # weights and bytes of one Q4_K super-block
 Q6_K_BLOCK, Q6_K_BYTES = 256, 210  # weights and bytes of one Q6_K super-block
 Q46_K_BYTES = 212  # bytes of one tagged Q4_K-or-Q6_K super-block (q4_k_or_q6_k)
@@ -551,27 +556,28 @@ def dequantise_fp8_e4m3(a: np.ndarray) -> np.ndarray:
     return (q * scale).reshape(*b.shape[:-2], -1)
 
 
-def quantise_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy twin of the host kernels' activation quantiser (host_kernels/kernels.h ActQ8):
-    x [..., n] (n % 32 == 0) -> q [..., n] int8, d [..., n/32] float32, per 32 values
-    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in float32 (the kernels'
-    blocks also carry d * sum(q), which Q4_K's min terms use)."""
+def quantise_activations(x: np.ndarray, block: int = QUANT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of the host kernels' activation quantisers (host_kernels/kernels.h ActQ8,
+    block 32; ActQ8K, block 256): x [..., n] (n % block == 0) -> q [..., n] int8,
+    d [..., n/block] float32, per block d = max|x| / 127 and q = round-half-even(x * (1 / d)),
+    all in float32 (the kernels' blocks also carry sums of q, which the Q4_K mins and Q6_K's
+    offset use)."""
     x = np.asarray(x, np.float32)
-    b = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    b = x.reshape(*x.shape[:-1], -1, block)
     d = np.abs(b).max(axis=-1) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return np.rint(b * inv[..., None]).astype(np.int8).reshape(x.shape), d
 
 
-def act_q8_numpy(x: np.ndarray) -> np.ndarray:
-    """x as a block-format expert sees it: quantised per 32 and dequantised (float32)."""
-    q, d = quantise_activations(x)
-    return (q.reshape(*q.shape[:-1], -1, QUANT_BLOCK) * d[..., None]).reshape(q.shape).astype(np.float32)
+def act_q8_numpy(x: np.ndarray, block: int = QUANT_BLOCK) -> np.ndarray:
+    """x as a block-format expert sees it: quantised per `block` values and dequantised (float32)."""
+    q, d = quantise_activations(x, block)
+    return (q.reshape(*q.shape[:-1], -1, block) * d[..., None]).reshape(q.shape).astype(np.float32)
 
 
-def act_q8(x: jax.Array) -> jax.Array:
+def act_q8(x: jax.Array, block: int = QUANT_BLOCK) -> jax.Array:
     """XLA twin of `act_q8_numpy` (the device FFN of a block format): [..., n] f32."""
-    b = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    b = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, block)
     d = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / jnp.float32(127)
     inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, 1), 0)
     return (jnp.round(b * inv) * d).reshape(x.shape)
@@ -609,9 +615,17 @@ class Format:
     from_f32_numpy: Callable[[np.ndarray], np.ndarray]  # float32 -> storage (rounds)
     block: int = 1  # weights per block (a row is whole blocks)
     block_bytes: int = 0  # bytes per block (0: plain, storage itemsize per weight)
-    # what the activations meeting these weights go through (block formats: the int8
-    # quantisation of the host kernels, so every path computes the same products)
-    act: Callable[[jax.Array], jax.Array] = staticmethod(lambda x: x)
+    # values per int8 block of the activations meeting these weights (the host kernels'
+    # quantiser, kernels.h act_block: 32, 256 for the K super-blocks; 0: float32 as given)
+    act_block: int = 0
+
+    def act(self, x: jax.Array) -> jax.Array:
+        """The activations these weights meet, as every path computes them (XLA)."""
+        return act_q8(x, self.act_block) if self.act_block else x
+
+    def act_numpy(self, x: np.ndarray) -> np.ndarray:
+        """numpy twin of `act`."""
+        return act_q8_numpy(x, self.act_block) if self.act_block else x
 
     def row_bytes(self, n: int) -> int:
         """Bytes of one stored row of n weights."""
@@ -631,10 +645,11 @@ class Format:
 
 
 def _block_format(name: str, block_bytes: int, to_f32, block: int = QUANT_BLOCK, quantise=None) -> Format:
-    """A GGUF block format: gguf's dequantiser, and its quantiser unless one is given."""
+    """A GGUF block format: gguf's dequantiser, and its quantiser unless one is given;
+    activations in int8 blocks of 32, or of 256 (one per super-block) for the K types."""
     gguf_quantise, dequantise = _gguf_codec(name, block)
     return Format(name, np.dtype(np.uint8), block_bytes / block, to_f32, dequantise, quantise or gguf_quantise,
-                  block, block_bytes, act_q8)
+                  block, block_bytes, min(block, K_ACT_BLOCK))
 
 
 FORMATS: dict[str, Format] = {
@@ -650,8 +665,8 @@ FORMATS: dict[str, Format] = {
     # quantising from float gives Q6_K blocks
     "q4_k_or_q6_k": Format("q4_k_or_q6_k", np.dtype(np.uint8), Q46_K_BYTES / Q6_K_BLOCK, _q4_k_or_q6_k_to_f32,
                            dequantise_q4_k_or_q6_k, lambda a: tagged_k_blocks(quantise_q6_k(a), "q6_k"),
-                           Q6_K_BLOCK, Q46_K_BYTES, act_q8),
-    # not a GGUF type: its own codec, and float32 activations (no act_q8: see the module doc)
+                           Q6_K_BLOCK, Q46_K_BYTES, K_ACT_BLOCK),
+    # not a GGUF type: its own codec, and float32 activations (no act_block: see the module doc)
     "fp8_e4m3": Format("fp8_e4m3", np.dtype(np.uint8), FP8_BYTES / FP8_BLOCK, _fp8_e4m3_to_f32, dequantise_fp8_e4m3,
                        quantise_fp8_e4m3, FP8_BLOCK, FP8_BYTES),
 }
