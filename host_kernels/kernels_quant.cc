@@ -1,50 +1,51 @@
-// Block-format dot products: Q8_0 / Q4_0 / Q4_K / Q6_K / MXFP4 (and Q4_K-or-Q6_K) weight rows (kernels.h)
-// against activations quantised to ActQ8 blocks of 32, and FP8 rows against float32
-// activations. Per Q8_0 / Q4_0 / MXFP4 block (MXFP4: q_w the doubled e2m1 integers,
-// d_w = 2^(e - 128)):
+// Block-format dot products: Q8_0 / Q4_0 / Q4_K / Q6_K / MXFP4 (and Q4_K-or-Q6_K) weight rows
+// (kernels.h) against int8-quantised activations (ActQ8 blocks of 32; ActQ8K blocks of 256
+// for the K super-block types), and FP8 rows against float32 activations. Per Q8_0 / Q4_0 /
+// MXFP4 block (MXFP4: q_w the doubled e2m1 integers, d_w = 2^(e - 128)):
 //
 //     dot += d_w * d_x * sum_i q_w[i] * q_x[i]        (the sum exact in int32)
 //
-// per Q6_K activation block (two sub-blocks of 16, scales sc_lo, sc_hi; q in -32..31):
+// per Q4_K super-block (weights d*sc_j*q - dmin*m_j, q in 0..15, sub-blocks j of 32), with
+// b_j = sum of sub-block j's q_x (two of ActQ8K's bsums):
 //
-//     dot += d * d_x * (sc_lo * sum_{i<16} q[i] * q_x[i] + sc_hi * sum_{i>=16} q[i] * q_x[i])
+//     dot += d * d_x * sum_j sc_j * sum_i q[i] * q_x[i]  -  dmin * d_x * sum_j m_j * b_j
+//
+// per Q6_K super-block (16 sub-blocks g of 16, int8 scales sc_g, levels q in 0..63 stored
+// for q - 32, bsums_g of ActQ8K):
+//
+//     dot += d * d_x * (sum_g sc_g * sum_i q[i] * q_x[i]  -  32 * sum_g sc_g * bsums_g)
 //
 // and per FP8 block of 128 (float, e4m3 converted exactly through f16 in registers):
 //
 //     dot += scale * sum_i e4m3[i] * x[i]
 //
-// and per Q4_K sub-block j of 32 (weights d*sc_j*q - dmin*m_j, q in 0..15):
-//
-//     dot += d * d_x * sc_j * sum_i q[i] * q_x[i]  -  dmin * m_j * s_x
-//
-// (s_x = d_x * sum_i q_x[i], stored with the activation block)
-//
-// which is llama.cpp's scheme for these types (its Q4_K dot meets Q8_K activations, one
-// scale per 256; ours keep one per 32, the activation blocks of every block format): the
-// weights never widen to f32, so a core does ~4x the weights per cycle of the bf16 path
-// and decode stays bound by the bytes read. Three implementations with one result up to
-// float summation order:
+// This is llama.cpp's scheme (its K dots meet Q8_K activations, one scale per 256, as ours
+// now do: per-32 activation scales cost a conversion and an FMA per sub-block, and Q4_K ran
+// at 0.6x llama.cpp's speed on Zen 4): the weights never widen to f32, so a core does ~4x
+// the weights per cycle of the bf16 path and decode stays bound by the bytes read. Three
+// implementations with one result up to float summation order:
 //   scalar: plain C++ (the portable fallback and the C++ twin of the numpy reference);
-//   AVX2:   32 products per block in 4 integer ops (sign, sign, maddubs, madd; Q4_K's
-//           nibbles are unsigned, so maddubs takes them as they are and madd multiplies
-//           by sc_j), one conversion and one FMA into 8 float lanes (Q4_K: the min terms
-//           of a whole super-block in one more FMA, against the activation blocks' sums
-//           s); also used by the AVX-512 table on a CPU without VNNI (the integer work is
-//           256 bits wide either way);
+//   AVX2:   32 products per block in 4 integer ops (sign, sign, maddubs, madd), one
+//           conversion and one FMA into 8 float lanes; the K types' unsigned levels go
+//           into maddubs as they are, madd multiplies by the sub-block scales (picked from
+//           a vector of 8 by one byte shuffle), and a super-block's sums add up in int32
+//           lanes before one conversion and one FMA (Q4_K: a second for the mins, one
+//           madd of the bsums with m_j; Q6_K: the -32 offset subtracted in int32); also
+//           used by the AVX-512 table on a CPU without VNNI (the integer work is 256 bits
+//           wide either way);
 //   VNNI:   the same source (kernels_quant_simd.inc, compiled twice) with the unscaled pair
 //           sums (Q8_0 / Q4_0 / MXFP4) in one vpdpbusd (AVX-512 VNNI at 256 bits); Q4_K /
 //           Q6_K keep maddubs + madd by their scales (an int32 multiply after vpdpbusd was
 //           10% slower). Integer-exact, so its outputs equal AVX2's to the bit. Used by the
 //           AVX-512 tables when the CPU has VNNI (prefill 1.1-1.2x for Q8_0 / Q4_0 / MXFP4
 //           on Zen 4).
-// Q6_K: the 6-bit levels centred (q - 32, signed) so the sign trick of Q8_0 applies, and
-// the madd by a vector of two scales (sc_lo in the 8 pair sums of bytes 0-15, sc_hi in
-// those of 16-31). MXFP4: a pshufb of the nibbles through the 16 doubled e2m1 values,
-// then Q4_0's path. FP8: 16 weights per step, sign-extended to 16 bits, << 7 and a mask
-// make f16 bits (value e4m3 * 2^-8, subnormals included), two vcvtph2ps and two FMAs
-// against the float activations; the block's 2^8 * scale is applied once per 128.
-// The numpy reference is ftjax.host.reference_expert_ffn (gguf's dequantiser and the
-// numpy twin of quantise_act_q8), the XLA one ftjax.experts.storage.
+// MXFP4: a pshufb of the nibbles through the 16 doubled e2m1 values, then Q4_0's path.
+// FP8: 16 weights per step, sign-extended to 16 bits, << 7 and a mask make f16 bits (value
+// e4m3 * 2^-8, subnormals included), two vcvtph2ps and two FMAs against the float
+// activations; the block's 2^8 * scale is applied once per 128. The activation quantiser
+// has an AVX2 twin (the SIMD tables use it; the same bytes). The numpy reference is
+// ftjax.host.reference_expert_ffn (gguf's dequantiser and the numpy twin of the
+// quantisers, storage.quantise_activations), the XLA one ftjax.experts.storage.
 #include <cmath>
 #include <cstring>
 
