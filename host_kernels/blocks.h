@@ -103,8 +103,8 @@ inline void block_dots(const DotTable& dots, const char* rows, int64_t row_bytes
     const int R = static_cast<int>(std::min<int64_t>(kMaxRows, num_rows - r0));
     const void* row_ptrs[kMaxRows];
     for (int r = 0; r < R; ++r) row_ptrs[r] = rows + (r0 + r) * row_bytes;
-    for (int64_t j0 = 0; j0 < num_vecs; j0 += kMaxVecs) {
-      const int J = static_cast<int>(std::min<int64_t>(kMaxVecs, num_vecs - j0));
+    for (int64_t j0 = 0; j0 < num_vecs; j0 += dots.max_vecs) {
+      const int J = static_cast<int>(std::min<int64_t>(dots.max_vecs, num_vecs - j0));
       float tile[kMaxRows * kMaxVecs];
       dots.fn[R][J](row_ptrs, vecs + j0, n, tile);
       for (int r = 0; r < R; ++r)

@@ -235,6 +235,10 @@ void gemv_rows(const Table& fn, const void* rows, int64_t row_stride, int64_t nu
   { nullptr, &F<W, R, 1>, &F<W, R, 2>, &F<W, R, 3> }
 #define FTJAX_FNS(F, W) \
   { {}, FTJAX_ROW(F, W, 1), FTJAX_ROW(F, W, 2), FTJAX_ROW(F, W, 3), FTJAX_ROW(F, W, 4) }
+#define FTJAX_ROW6(F, W, R) \
+  { nullptr, &F<W, R, 1>, &F<W, R, 2>, &F<W, R, 3>, &F<W, R, 4>, &F<W, R, 5>, &F<W, R, 6> }
+#define FTJAX_FNS6(F, W) \
+  { {}, FTJAX_ROW6(F, W, 1), FTJAX_ROW6(F, W, 2), FTJAX_ROW6(F, W, 3), FTJAX_ROW6(F, W, 4) }
 
 // The R x J kernels of a block type (the gemv entry is filled in by scalar_table).
 template <typename W>
