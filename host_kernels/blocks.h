@@ -62,7 +62,7 @@ inline bool converts_activations(const Kernels& kernels, WeightType w) {
 
 // dst [rows, n] = src [rows, n] as the dot table of weight type w reads it: ActQ8 or
 // ActQ8K blocks for the block types that take them (act_block; each row's blocks at the
-// start of its n floats: 40 bytes per 32 values, 320 per 256, fit in 4 bytes a value), bf16 bits in plain order for a table with
+// start of its n floats: 36 bytes per 32 values, 320 per 256, fit in 4 bytes a value), bf16 bits in plain order for a table with
 // bf16_act (2 bytes per value at the start of each row's n floats), else floats in the
 // table's layout (to_layout). Done once per call; every row of the weights then meets it.
 inline void prepare_activations(const Kernels& kernels, WeightType w, const float* src, int64_t rows,

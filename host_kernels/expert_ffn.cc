@@ -83,8 +83,8 @@ struct Call {
   const DotTable& down_dots;
   int64_t h_layout;       // layout of h, as `down_dots` expects (even_odd_pos)
   int64_t layer;
-  const float* x_in;       // [T, D] batch.x in gate_up's layout, 64-byte aligned (ActQ8
-                           // types: each row D / 32 ActQ8 blocks, rows D floats apart)
+  const float* x_in;       // [T, D] batch.x in gate_up's layout, 64-byte aligned (int8
+                           // types: each row's ActQ8 / ActQ8K blocks, rows D floats apart)
   const AlignedFloats& h;  // [P, F] SwiGLU activations of each pair, in h_layout
   const float* h_in;       // what phase 2 reads: h, or h's rows converted (prepare_activations)
 };

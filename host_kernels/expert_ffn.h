@@ -23,7 +23,7 @@ namespace ftjax {
 // One host expert pool (HF fused layout). Letters: Lm MoE layers, E experts,
 // D model dim, F expert FFN dim. The two parts may have different weight types (GGUF
 // Q4_K_M files: gate / up in Q4_K, down in Q6_K); each part's activations are prepared
-// for its own type (ActQ8 blocks, or floats in its layout).
+// for its own type (ActQ8 / ActQ8K blocks, bf16 bits, or floats in its layout).
 struct PoolView {
   const void* gate_up;  // [Lm, E, 2F, D]: rows 0..F-1 gate_proj, F..2F-1 up_proj
   const void* down;     // [Lm, E, D, F]

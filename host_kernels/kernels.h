@@ -58,16 +58,19 @@ enum class WeightType : int32_t {  // bf16 = raw uint16 bits
 constexpr int64_t kQuantBlock = 32;  // weights per Q8_0 / Q4_0 block, per Q4_K sub-block, per ActQ8 block
 struct BlockQ8_0 {
   static constexpr int64_t kWeights = kQuantBlock;
+  static constexpr WeightType kType = WeightType::kQ8_0;
   uint16_t d;  // f16 scale
   int8_t qs[kQuantBlock];
 };
 struct BlockQ4_0 {
   static constexpr int64_t kWeights = kQuantBlock;
+  static constexpr WeightType kType = WeightType::kQ4_0;
   uint16_t d;  // f16 scale
   uint8_t qs[kQuantBlock / 2];
 };
 struct BlockQ4_K {
   static constexpr int64_t kWeights = 256;
+  static constexpr WeightType kType = WeightType::kQ4_K;
   static constexpr int kSubBlocks = kWeights / kQuantBlock;  // 8
   uint16_t d;           // f16 scale of the sub-block scales
   uint16_t dmin;        // f16 scale of the sub-block mins
@@ -76,6 +79,7 @@ struct BlockQ4_K {
 };
 struct BlockQ6_K {
   static constexpr int64_t kWeights = 256;
+  static constexpr WeightType kType = WeightType::kQ6_K;
   uint8_t ql[kWeights / 2];   // low 4 bits
   uint8_t qh[kWeights / 4];   // high 2 bits
   int8_t scales[kWeights / 16];
@@ -83,16 +87,19 @@ struct BlockQ6_K {
 };
 struct BlockMXFP4 {
   static constexpr int64_t kWeights = kQuantBlock;
+  static constexpr WeightType kType = WeightType::kMXFP4;
   uint8_t e;  // e8m0 shared exponent
   uint8_t qs[kQuantBlock / 2];
 };
 struct BlockFP8 {
   static constexpr int64_t kWeights = 128;
+  static constexpr WeightType kType = WeightType::kFP8_E4M3;
   float d;  // the tile's scale_inv
   uint8_t qs[kWeights];  // float8_e4m3fn bits
 };
 struct BlockQ4_KorQ6_K {
   static constexpr int64_t kWeights = 256;
+  static constexpr WeightType kType = WeightType::kQ4_K_OR_Q6_K;
   static constexpr uint8_t kTagQ6_K = 6;  // else (4) Q4_K
   uint8_t tag;
   uint8_t zero;
@@ -171,20 +178,19 @@ inline float weight_at(const uint16_t* row, int64_t i) {
 // Activations meeting block-format weights are quantised to int8. Q8_0 / Q4_0 / MXFP4 meet
 // ActQ8, per 32 values: an f32 scale d = max|x| / 127 and q = round-to-even(x * (1 / d))
 // (d = 0: q = 0), so a block's dot product is d_w * d_x * (integer sum of 32 products),
-// exact in int32. (It also carries s = d * sum(q), the sum of its dequantised values.)
+// exact in int32.
 struct ActQ8 {
   static constexpr int64_t kValues = kQuantBlock;
   float d;
-  float s;  // d * sum_i qs[i]
   int8_t qs[kQuantBlock];
 };
-static_assert(sizeof(ActQ8) == 40, "ActQ8 layout");
+static_assert(sizeof(ActQ8) == 36, "ActQ8 layout");
 // The K super-block types (Q4_K, Q6_K) meet ActQ8K, the same quantiser per 256 values (one
 // super-block: llama.cpp's Q8_K), with the sums of each 16 q's: a whole super-block's
 // scaled sub-block dots add up in int32 before one conversion and one FMA by d * d_x, and
 // the constant-per-sub-block terms (Q4_K's mins, Q6_K's -32 offset) are one integer dot of
 // the sub-block scales with bsums. 320 bytes per 256 values (the qs at a 64-byte boundary
-// when the row is); 1.25 bytes per value like ActQ8.
+// when the row is); 1.25 bytes per value.
 struct ActQ8K {
   static constexpr int64_t kValues = 256;
   int8_t qs[kValues];
@@ -194,7 +200,7 @@ struct ActQ8K {
 };
 static_assert(sizeof(ActQ8K) == 320, "ActQ8K layout");
 // x [n] -> n / 32 ActQ8 blocks (n % 32 == 0), or n / 256 ActQ8K blocks (n % 256 == 0);
-// 1.25 bytes per value, so a buffer of n floats holds them. simd: AVX2, 8 values at a time
+// at most 1.25 bytes per value, so a buffer of n floats holds them. simd: AVX2, 8 values at a time
 // (the same bytes; the SIMD tables ask for it, Kernels::simd_quantise). numpy and XLA
 // twins: ftjax.experts.storage.quantise_activations (block 32 or 256).
 void quantise_act_q8(const float* x, int64_t n, ActQ8* out, bool simd);
@@ -294,7 +300,7 @@ const Kernels* select_kernels(Isa isa);
 inline bool is_block_type(WeightType w) { return w != WeightType::kF32 && w != WeightType::kBF16; }
 // Values per int8 activation block the dots of weight type w take: 256 (ActQ8K) for the K
 // super-block types, 32 (ActQ8) for the other block types but FP8, 0 (floats) otherwise.
-inline int64_t act_block(WeightType w) {
+constexpr int64_t act_block(WeightType w) {
   switch (w) {
     case WeightType::kQ4_K:
     case WeightType::kQ6_K:

@@ -6,7 +6,7 @@
 // from memory, and XLA's CPU dot on bf16 operands runs far below that (0.2-0.6 GB/s measured; docs/benchmarks.md).
 // W keeps the HF nn.Linear layout [out, in] so every output is one contiguous row
 // (block formats: a row is K / block_weights blocks, GGUF's bytes). Block weights meet
-// activations quantised to ActQ8 blocks once per call (prepare_activations, as the
+// activations quantised to ActQ8 / ActQ8K blocks once per call (prepare_activations, as the
 // expert FFN does), so a Q8_0 matrix streams 1.06 bytes per weight instead of bf16's 2.
 // Tasks are blocks of rows (disjoint outputs); tokens are tiled so their activations
 // stay in cache while the rows stream, as in expert_ffn.

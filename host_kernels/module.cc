@@ -11,10 +11,10 @@
 #include <stdexcept>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
-#include "blocks.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
 #include "ffi_handler.h"
@@ -119,21 +119,24 @@ void py_quantise_activations(const X2& x, int64_t block, nb::ndarray<int8_t, nb:
     throw std::invalid_argument("q must be [T, n], d [T, n / block], bsums [T, n / 16] (block 256)");
   const Kernels* kernels = select_kernels(static_cast<Isa>(isa));
   if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available on this CPU");
-  const WeightType w = block == kQuantBlock ? WeightType::kQ8_0 : WeightType::kQ4_K;  // a type that takes them
-  std::vector<float> buf(n);
-  for (int64_t t = 0; t < T; ++t) {
-    prepare_activations(*kernels, w, x.data() + t * n, 1, n, buf.data());
+  std::vector<float> buf(n);  // n floats hold a row's blocks (kernels.h)
+  auto unpack = [&](auto* blocks, int64_t t) {  // blocks [n / block] of row t -> q, d (, bsums)
     for (int64_t b = 0; b < n / block; ++b) {
-      if (block == kQuantBlock) {
-        const ActQ8& a = reinterpret_cast<const ActQ8*>(buf.data())[b];
-        std::memcpy(q.data() + t * n + b * block, a.qs, block);
-        d.data()[t * (n / block) + b] = a.d;
-      } else {
-        const ActQ8K& a = reinterpret_cast<const ActQ8K*>(buf.data())[b];
-        std::memcpy(q.data() + t * n + b * block, a.qs, block);
-        d.data()[t * (n / block) + b] = a.d;
-        std::memcpy(bsums.data() + t * (n / 16) + b * 16, a.bsums, sizeof a.bsums);
-      }
+      std::memcpy(q.data() + t * n + b * block, blocks[b].qs, block);
+      d.data()[t * (n / block) + b] = blocks[b].d;
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(blocks)>, ActQ8K>)
+        std::memcpy(bsums.data() + t * (n / 16) + b * 16, blocks[b].bsums, sizeof blocks[b].bsums);
+    }
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    if (block == kQuantBlock) {
+      auto* blocks = reinterpret_cast<ActQ8*>(buf.data());
+      quantise_act_q8(x.data() + t * n, n, blocks, kernels->simd_quantise);
+      unpack(blocks, t);
+    } else {
+      auto* blocks = reinterpret_cast<ActQ8K*>(buf.data());
+      quantise_act_q8k(x.data() + t * n, n, blocks, kernels->simd_quantise);
+      unpack(blocks, t);
     }
   }
 }

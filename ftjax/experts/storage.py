@@ -560,8 +560,8 @@ def quantise_activations(x: np.ndarray, block: int = QUANT_BLOCK) -> tuple[np.nd
     """numpy twin of the host kernels' activation quantisers (host_kernels/kernels.h ActQ8,
     block 32; ActQ8K, block 256): x [..., n] (n % block == 0) -> q [..., n] int8,
     d [..., n/block] float32, per block d = max|x| / 127 and q = round-half-even(x * (1 / d)),
-    all in float32 (the kernels' blocks also carry sums of q, which the Q4_K mins and Q6_K's
-    offset use)."""
+    all in float32 (ActQ8K also carries the sums of each 16 q, which the Q4_K mins and
+    Q6_K's offset use)."""
     x = np.asarray(x, np.float32)
     b = x.reshape(*x.shape[:-1], -1, block)
     d = np.abs(b).max(axis=-1) / np.float32(127)
