@@ -39,9 +39,11 @@ record is tiny. So the bookkeeping comes in two forms with the same rules (tests
 one against the other and both against the lab):
     few assignments (A = N*K <= 64: decode,   `lru_few`: comparisons over the A
     up to 8 sessions at top-8)                    assignments ([A, A], [E, A], [slots, A]) and
-        one two-key minimum over the slots per possible fetch; P = a static bound on
+        one two-key minimum over the slots per possible fetch, in a loop; P = a static bound on
         fetches per record from the q table (0 for lru-host-only and the static policies:
-        no victim search, no transfer code); the P transfers are P conds. The device FFN
+        no victim search, no transfer code); the transfers are a loop over those fetched
+        (both loops, not unrolled: a prompt bucket of 8 tokens at top-2 can fetch 16 experts
+        a layer, and unrolled they doubled its compile time, at the same speed). The device FFN
         is unrolled over the assignments up to A = 16 and loops over the record's
         distinct experts above (each read once for all the batch's tokens).
     many assignments (prefill)                `lru_many`: stable sorts over all E experts
