@@ -248,7 +248,7 @@ def victim_slots(k1, k2, slot_of, count):
     k1, k2 [slots]: free slot s -> (-1, s); resident expert g -> (stamp[g], g);
     slots that must not be taken -> k1 = BIG. The pair is unique per slot.
     -> [count] slots (past the number of eligible slots: meaningless)."""
-    def pick(i, carry):  # a loop, not unrolled: the same decode speed, half the compile time
+    def pick(i, carry):  # a loop, not unrolled (module docstring)
         k1, picks = carry
         m1 = jnp.min(k1)
         m2 = jnp.min(jnp.where(k1 == m1, k2, _BIG))
@@ -311,8 +311,7 @@ def copy_expert(cache, pool, layer, e, s):
 
 def copy_in(cache, pool, layer, experts, slots, count):
     """Transfer of fetched experts: cache slot slots[i] <- pool expert (layer, experts[i])
-    for i < count, as a loop (one compiled body; unrolled per possible fetch, the first
-    prefill of the default model compiled 2x longer and ran no faster)."""
+    for i < count, as a loop (one compiled body; see the module docstring)."""
     if experts.shape[0] == 0:  # a policy that never fetches
         return cache
     return jax.lax.fori_loop(0, count, lambda i, c: copy_expert(c, pool, layer, experts[i], slots[i]), cache)
