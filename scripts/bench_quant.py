@@ -13,7 +13,9 @@ One JSON line per measurement (with commit and machine):
                   decode tok/s and 512-token prompt tok/s, per format, dense storage
                   (`--dense-dtypes`: "default" keeps a GGUF's Q8_0 / ... dense matrices as
                   stored, "float32" dequantises them, "int8" quantises a folder's at load)
-                  and thread count, with the dense bytes a decode step streams
+                  and thread count, with the dense bytes a decode step streams and its read
+                  roofline (the read ceiling probed right after, at the same threads, over
+                  the dense + expert bytes of a step)
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_quant.py [--skip-ppl] [--model /tmp/geom-olmoe]
         [--formats bfloat16 q6_k fp8_e4m3 ...] [--experts 16] [--dense-dtypes default float32]
@@ -132,13 +134,17 @@ def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_toke
         model.generate(prompt[:16], 4)  # compile decode
         model.generate(prompt[:16], new_tokens)
         stats = model.last_generation
+        expert_bytes = model.config.top_k * model.config.num_moe_layers * model.checkpoint.pool.expert_bytes
+        step_bytes = dense_bytes(model) + expert_bytes  # what one decode step reads, at least
+        ceiling = read_bandwidth_gbps(threads)  # right after the decode it bounds, same threads
         emit("quant_model", model=str(path), expert_format=model.checkpoint.pool.dtype, threads=threads,
              dense_dtype=model.checkpoint.dense_dtype, dense_format=model.checkpoint.dense_format,
              dense_bytes_per_token=dense_bytes(model),
              prompt_tokens=prompt_tokens, prefill_tok_per_s=round(prompt_tokens / statistics.median(prefill), 1),
              decode_tok_per_s=round(stats.decode_tok_per_s, 2), new_tokens=stats.new_tokens,
-             expert_bytes_per_token=model.config.top_k * model.config.num_moe_layers
-             * model.checkpoint.pool.expert_bytes)
+             expert_bytes_per_token=expert_bytes,
+             decode_read_gbps=round(step_bytes * stats.decode_tok_per_s / 1e9, 2), read_ceiling_gbps=round(ceiling, 2),
+             roofline_decode_tok_per_s=round(ceiling * 1e9 / step_bytes, 1))
         del model
 
 
