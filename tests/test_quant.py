@@ -128,6 +128,41 @@ def test_k_kernels_on_extreme_blocks(fmt, isa):
         np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
 
 
+def random_32_rows(rng, fmt: str, rows: int, n: int) -> np.ndarray:
+    """[rows, n / 32 * block_bytes] uint8: Q8_0 / Q4_0 / MXFP4 blocks of random bytes (every
+    level, Q8_0's -128 too), with f16 scales in [0.5, 2) (MXFP4: exponents 2^-3 .. 2^3)."""
+    f = FORMATS[fmt]
+    blocks = rng.integers(0, 256, (rows, n // f.block, f.block_bytes), dtype=np.uint8)
+    if fmt == "mxfp4":
+        blocks[..., 0] = rng.integers(124, 132, blocks.shape[:2])
+    else:
+        blocks[..., :2] = rng.uniform(0.5, 2.0, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    blocks[0, :, f.block_bytes - 16:] = 0x80 if fmt == "q8_0" else 0x88  # a row at -128 | nibble 8
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
+@pytest.mark.parametrize("isa", available_isas(), ids=lambda i: i.name)
+def test_32_blocks_on_extreme_bytes(fmt, isa):
+    """The 32-weight block kernels (the VNNI build offsets the weights to unsigned bytes and
+    takes 128 * sum(a) back) hold for any block bytes: every level, Q8_0's -128, activations
+    at +-127 after quantisation, an all-zero block; 1 and 5 tokens; and the integer ISAs
+    agree to the bit."""
+    rng = np.random.default_rng(6)
+    n, rows = 256, 24
+    w = random_32_rows(rng, fmt, rows, n)
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    x[0] = np.sign(x[0])  # every |q_x| = 127
+    x[1, ::32] = 1e3  # an outlier per block
+    x[2, 64:96] = 0.0  # an all-zero block: scale 0
+    for t in (1, 5):
+        y = host.linear_numpy(x[:t], w, threads=2, isa=isa, wtype=fmt)
+        ref = host.reference_linear(x[:t], w, wtype=fmt, isa=isa)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
+        if isa is not host.Isa.SCALAR and host.Isa.AVX2 in available_isas():
+            np.testing.assert_array_equal(y, host.linear_numpy(x[:t], w, threads=2, isa=host.Isa.AVX2, wtype=fmt))
+
+
 def tagged_k_pool(rng, d_model: int, d_ff: int) -> HostExpertPool:
     """Two MoE layers of 4 experts: gate_up Q4_K; down Q4_K in layer 0 and Q6_K in layer 1,
     both behind tags (a GGUF Q4_K_M file's ffn_down_exps), 'q4_k/q4_k_or_q6_k'."""
