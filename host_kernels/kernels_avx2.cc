@@ -98,14 +98,14 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
 }
 
 // One row against one vector, 8 FMA chains; returns the 8-lane partial sums of the
-// vectorised part, the scalar tail [n / 16 * 16, n) added separately.
+// vectorised part, the scalar tail [n / 16 * 16, n) added separately. No software
+// prefetch (see kernels_avx512.cc: the stream is sequential).
 template <typename W>
 FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
   __m256 acc[8];
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    prefetch_step(row + i);
     for (int s = 0; s < kStep / 16; ++s) {
       __m256 wa, wb, xa, xb;
       load16(row + i + 16 * s, wa, wb);
