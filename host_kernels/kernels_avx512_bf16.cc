@@ -69,9 +69,10 @@ FTJAX_AVX512_BF16 void dot_bf16dp(const void* const* rows_v, const float* const*
   constexpr bool kPrefetch = !(R == 1 && J == 1);
   int64_t i = 0;
   for (; i + 2 * kStep <= n; i += 2 * kStep) {  // 8 steps: every accumulator copy in turn
-    for (int r = 0; r < (kPrefetch ? R : 0); ++r)
-      for (int64_t l = 0; l < 2 * kStep; l += 32)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[r] + i + l) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (kPrefetch)
+      for (int r = 0; r < R; ++r)
+        for (int64_t l = 0; l < 2 * kStep; l += 32)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + i + l) + kPrefetchBytes, _MM_HINT_T0);
     for (int s = 0; s < 2 * kStep / 32; ++s) step(i + 32 * s, s % C);
   }
   for (; i + 32 <= n; i += 32) step(i, 0);

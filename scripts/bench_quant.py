@@ -134,15 +134,16 @@ def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_toke
         model.generate(prompt[:16], 4)  # compile decode
         model.generate(prompt[:16], new_tokens)
         stats = model.last_generation
-        expert_bytes = model.config.top_k * model.config.num_moe_layers * model.checkpoint.pool.expert_bytes
-        step_bytes = dense_bytes(model) + expert_bytes  # what one decode step reads, at least
+        dense_read = dense_bytes(model)
+        expert_read = model.config.top_k * model.config.num_moe_layers * model.checkpoint.pool.expert_bytes
+        step_bytes = dense_read + expert_read  # what one decode step reads, at least
         ceiling = read_bandwidth_gbps(threads)  # right after the decode it bounds, same threads
         emit("quant_model", model=str(path), expert_format=model.checkpoint.pool.dtype, threads=threads,
              dense_dtype=model.checkpoint.dense_dtype, dense_format=model.checkpoint.dense_format,
-             dense_bytes_per_token=dense_bytes(model),
+             dense_bytes_per_token=dense_read,
              prompt_tokens=prompt_tokens, prefill_tok_per_s=round(prompt_tokens / statistics.median(prefill), 1),
              decode_tok_per_s=round(stats.decode_tok_per_s, 2), new_tokens=stats.new_tokens,
-             expert_bytes_per_token=expert_bytes,
+             expert_bytes_per_token=expert_read,
              decode_read_gbps=round(step_bytes * stats.decode_tok_per_s / 1e9, 2), read_ceiling_gbps=round(ceiling, 2),
              roofline_decode_tok_per_s=round(ceiling * 1e9 / step_bytes, 1))
         del model

@@ -92,12 +92,16 @@ def test_newer_block_kernels_match_reference(fmt, isa, num_tokens):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * max(1.0, float(np.abs(ref).max())))
 
 
-def random_k_rows(rng, fmt: str, rows: int, n: int) -> np.ndarray:
-    """[rows, n / 256 * block_bytes] uint8: Q4_K / Q6_K super-blocks of random bytes (any
-    level, scale and min the format can hold) with f16 scales d (and dmin) in [0.5, 2)."""
+def random_block_rows(rng, fmt: str, rows: int, n: int) -> np.ndarray:
+    """[rows, n / block * block_bytes] uint8: blocks of random bytes (any level, scale and min
+    the format can hold; Q8_0's -128 too) with f16 scales in [0.5, 2) (Q4_K: d and dmin;
+    MXFP4: exponents 2^-3 .. 2^3)."""
     f = FORMATS[fmt]
     blocks = rng.integers(0, 256, (rows, n // f.block, f.block_bytes), dtype=np.uint8)
-    at = slice(0, 4) if fmt == "q4_k" else slice(f.block_bytes - 2, f.block_bytes)  # d, dmin | d
+    if fmt == "mxfp4":
+        blocks[..., 0] = rng.integers(124, 132, blocks.shape[:2])
+        return blocks.reshape(rows, -1)
+    at = {"q4_k": slice(0, 4), "q6_k": slice(f.block_bytes - 2, f.block_bytes)}.get(fmt, slice(0, 2))
     halves = rng.uniform(0.5, 2.0, (rows, n // f.block, (at.stop - at.start) // 2)).astype(np.float16)
     blocks[..., at] = halves.view(np.uint8).reshape(rows, n // f.block, -1)
     return blocks.reshape(rows, -1)
@@ -112,7 +116,7 @@ def test_k_kernels_on_extreme_blocks(fmt, isa):
     outlier per 256 or all equal) and all-zero blocks; 1 and 5 tokens."""
     rng = np.random.default_rng(5)
     n, rows = 1024, 24
-    w = random_k_rows(rng, fmt, rows, n)
+    w = random_block_rows(rng, fmt, rows, n)
     if fmt == "q6_k":  # a row of the largest levels and scales of both signs
         w.reshape(rows, -1, 210)[0, :, :192] = 0xFF
         w.reshape(rows, -1, 210)[0, :, 192:208] = np.array([128, 127] * 8, np.uint8)
@@ -128,19 +132,6 @@ def test_k_kernels_on_extreme_blocks(fmt, isa):
         np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
 
 
-def random_32_rows(rng, fmt: str, rows: int, n: int) -> np.ndarray:
-    """[rows, n / 32 * block_bytes] uint8: Q8_0 / Q4_0 / MXFP4 blocks of random bytes (every
-    level, Q8_0's -128 too), with f16 scales in [0.5, 2) (MXFP4: exponents 2^-3 .. 2^3)."""
-    f = FORMATS[fmt]
-    blocks = rng.integers(0, 256, (rows, n // f.block, f.block_bytes), dtype=np.uint8)
-    if fmt == "mxfp4":
-        blocks[..., 0] = rng.integers(124, 132, blocks.shape[:2])
-    else:
-        blocks[..., :2] = rng.uniform(0.5, 2.0, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-    blocks[0, :, f.block_bytes - 16:] = 0x80 if fmt == "q8_0" else 0x88  # a row at -128 | nibble 8
-    return blocks.reshape(rows, -1)
-
-
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("isa", available_isas(), ids=lambda i: i.name)
 def test_32_blocks_on_extreme_bytes(fmt, isa):
@@ -150,7 +141,9 @@ def test_32_blocks_on_extreme_bytes(fmt, isa):
     agree to the bit."""
     rng = np.random.default_rng(6)
     n, rows = 256, 24
-    w = random_32_rows(rng, fmt, rows, n)
+    w = random_block_rows(rng, fmt, rows, n)
+    quants = 32 if fmt == "q8_0" else 16  # a block's weight bytes, at its end
+    w.reshape(rows, -1, FORMATS[fmt].block_bytes)[0, :, -quants:] = 0x80 if fmt == "q8_0" else 0x88  # -128 | nibble 8
     x = rng.standard_normal((5, n)).astype(np.float32)
     x[0] = np.sign(x[0])  # every |q_x| = 127
     x[1, ::32] = 1e3  # an outlier per block
