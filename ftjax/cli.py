@@ -249,15 +249,17 @@ def finite(name: str, value) -> None:
 def check_serve_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_batch", "prefill_chunk", "max_body_bytes"):
+    for name in ("max_batch", "prefill_chunk", "max_body_bytes", "max_queue"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("state_cache_device_gb", "state_cache_host_gb", "state_cache_disk_gb"):
         finite(f"--{name.replace('_', '-')}", getattr(args, name))
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name):g}")
-    if not (math.isfinite(args.keepalive_s) and args.keepalive_s > 0):
-        raise UsageError(f"--keepalive-s must be a positive number of seconds, got {args.keepalive_s}")
+    for name in ("keepalive_s", "request_timeout_s", "drain_s"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
 
 
 def cmd_serve(args) -> int:
@@ -272,7 +274,7 @@ def cmd_serve(args) -> int:
         model, args.state_cache, int(args.state_cache_device_gb * 2**30), int(args.state_cache_host_gb * 2**30),
         args.state_cache_dir, int(args.state_cache_disk_gb * 2**30))
     serve(model, args.host, args.port, model_id, args.max_batch, args.prefill_chunk, args.max_body_bytes,
-          args.keepalive_s, args.warmup, cache)
+          args.keepalive_s, args.warmup, cache, args.max_queue, args.request_timeout_s, args.drain_s)
     return 0
 
 
@@ -285,6 +287,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens prefilled between two decode steps of the running requests")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a batch row; more get 429 (OpenAI) / 529 (Anthropic) with Retry-After")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="the longest a request may take, queue included (a client may ask for less with the "
+                        "X-Request-Timeout header); past it the request ends with a 504")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds queued and running requests get to finish before they are "
+                        "ended with an error and the server exits")
     p.add_argument("--keepalive-s", type=float, default=5.0,
                    help="seconds between keepalives (SSE comments / Anthropic pings) while a stream waits")
     p.add_argument("--warmup", action="store_true",

@@ -176,6 +176,16 @@ def shared_threads(num_threads: int) -> _hk.ThreadPool:
     return _hk.shared_thread_pool(num_threads)
 
 
+def inject_host_fault(n: int = 1) -> None:
+    """Test hook: the next `n` routed-expert host kernel calls in this process (the FFI
+    handler, or the numpy entry point the callback boundary uses) fail with an "injected
+    host kernel fault" error instead of running, as a failing kernel would; 0 clears. Costs
+    the kernels one relaxed atomic load per call."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    _hk.inject_expert_faults(int(n))
+
+
 def weight_format(w, wtype: str | None = None):
     """The storage `Format` of a dense matrix: named by `wtype` (a block format's uint8 rows
     need it), else told by w's dtype (float32, or uint16 bf16 bits). A name outside

@@ -16,6 +16,7 @@ batched step per token.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from flax import nnx
 
 from ftjax.checkpoint import Checkpoint, load_checkpoint, safetensors_files
 from ftjax.config import ModelConfig
+from ftjax.engine import faults
+from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import GenerationStats, Session, Snapshot, bucket, generate_batch  # noqa: F401
 from ftjax.engine.steps import Steps
 from ftjax.engine.streamed import StreamedPrefill, stream_threshold
@@ -175,6 +178,73 @@ class Model:
         ids = self.tokenizer.encode(prompt)
         return self.tokenizer.decode(self.generate(ids, max_new_tokens, **sampling))
 
+    # ---- the steps: the one place that runs the compiled programs and owns what they update ----
+    def prefill_step(self, state, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
+                     all_logits: bool = False):
+        """Feed tokens [B, T] (padded) from start [B], length [B] real tokens per row ->
+        (logits [B, V] or [B, T, V], the new state). `state` is donated; the expert cache
+        state, telemetry and calibration are updated here."""
+        tokens = jnp.asarray(tokens)
+        if self.streams(int(np.max(length))):
+            logits, state, codes, nbytes = self._streamed.run(
+                self._params, state, self._xstate, self.checkpoint.pool, tokens, start, length, all_logits=all_logits)
+            self._telemetry.timing.bytes_streamed += nbytes
+        else:
+            logits, state, xstate, codes = self._steps.prefill(
+                self._params, state, self._xstate, self._pool_dev, tokens, start, length, all_logits=all_logits)
+            faults.check("prefill")  # here: the donated inputs are gone, as after a real failure
+            self._xstate = xstate
+        self._telemetry.record("prefill", codes)
+        self.calibrate()
+        return logits, state
+
+    def decode_step(self, state, token, pos: np.ndarray, active: np.ndarray, keys, counters: np.ndarray,
+                    temperature, top_k, top_p, bias: tuple[np.ndarray, np.ndarray] | None = None):
+        """One token for every row of `state` [B, ...] (donated) -> (next token [B],
+        logits [B, V] before the bias, the new state). Per-row sampling settings and
+        `bias` (ids, values [B, K]: `engine.sampling.bias_arrays`; None: no bias)."""
+        B = pos.shape[0]
+        bias = bias if bias is not None else bias_arrays([None] * B, self.config.vocab_size)
+        # copies: on the CPU backend jit may alias a numpy argument, and callers reuse these
+        nxt, logits, state, xstate, codes = self._steps.decode(
+            self._params, state, self._xstate, self._pool_dev, jnp.asarray(token), pos.copy(), active.copy(), keys,
+            counters.copy(), temperature, top_k, top_p, *bias)
+        faults.check("decode")
+        self._xstate = xstate
+        self._telemetry.record("decode", codes)
+        self.calibrate()
+        return nxt, logits, state
+
+    @contextlib.contextmanager
+    def recovering(self):
+        """Run steps; if they raise, `recover` before the error goes on."""
+        try:
+            yield
+        except Exception:
+            self.recover()
+            raise
+
+    def recover(self) -> bool:
+        """After a failed step: rebuild the expert-cache state if the failure consumed it
+        (the steps donate it) or poisoned it (a failed program's outputs carry its error)
+        -> True if it was rebuilt. Outputs do not depend on it (the host pool is the source
+        of truth), only where experts run."""
+        try:
+            leaves = jax.tree.leaves(self._xstate)
+            usable = not any(a.is_deleted() for a in leaves)
+            if usable:
+                jax.block_until_ready(leaves)  # raises if a failed program produced them
+        except Exception:
+            usable = False
+        if usable:
+            return False
+        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)  # q from the profile again
+        if self.memory is not None:
+            self.memory.sync()
+            self.memory.rebalance()
+        self.calibrate()
+        return True
+
     # ---- telemetry -------------------------------------------------------------------------------------
     def expert_log(self) -> list[dict]:
         """One record per (step, MoE layer) of the last `keep_records` steps: selected /
@@ -240,7 +310,7 @@ class Model:
         re-pinned), every stamp forgotten."""
         q = self._xstate.get("q_of_misses")
         self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)
-        if q is not None:  # the calibrated split stays
+        if q is not None and not q.is_deleted():  # the calibrated split stays
             self._xstate["q_of_misses"] = q
         if self.memory is not None:
             self.memory.sync()

@@ -1,6 +1,7 @@
 #include "ffi_handler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,23 @@
 #include "registry.h"
 
 namespace ffi = xla::ffi;
+
+namespace ftjax {
+
+namespace {
+std::atomic<int64_t> injected_expert_faults{0};  // calls still to fail (inject_expert_faults)
+}  // namespace
+
+void inject_expert_faults(int64_t n) { injected_expert_faults.store(n, std::memory_order_relaxed); }
+
+bool take_injected_expert_fault() {
+  // Only a positive count is decremented, so concurrent calls take distinct faults.
+  int64_t n = injected_expert_faults.load(std::memory_order_relaxed);
+  while (n > 0 && !injected_expert_faults.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) continue;
+  return n > 0;
+}
+
+}  // namespace ftjax
 
 namespace {
 
@@ -85,6 +103,8 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                        swiglu_limit};
   ftjax::TokenBatch batch{x.typed_data(), ids.typed_data(), weights.typed_data(),
                           y->typed_data(), xd[0], idd[1]};
+  if (ftjax::take_injected_expert_fault())
+    return ffi::Error::Internal("ftjax_expert_ffn: injected host kernel fault (test hook)");
   int64_t experts_read = 0;
   std::string err = ftjax::expert_ffn(pool, layer.typed_data()[0], batch,
                                       ftjax::shared_thread_pool(static_cast<int>(threads)),

@@ -12,6 +12,8 @@
 // alive while any program naming its id can run.
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
@@ -32,3 +34,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);
 // row start[b] (clamped to [0, S - T], as dynamic_update_slice) of every (b, g). Called
 // with the result aliased to the cache operand: an in-place write of T rows.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxWriteRows);
+
+namespace ftjax {
+
+// Test hook: the next n routed-expert kernel calls (this handler, and the numpy entry
+// point the callback boundary uses) fail with an "injected host kernel fault" error
+// instead of running; n = 0 clears. Process-wide; unused, it costs a call one relaxed
+// atomic load.
+void inject_expert_faults(int64_t n);
+// True, consuming one injected fault, if this call is to fail.
+bool take_injected_expert_fault();
+
+}  // namespace ftjax

@@ -1,16 +1,21 @@
 // nanobind module `ftjax._host_kernels`: numpy entry points into the host expert
 // kernels (expert FFN, dense linear), the persistent ThreadPool, the XLA FFI handlers
-// as PyCapsules, and the read-bandwidth probe. Every long call releases the GIL. Pool arrays are taken
-// without conversion (a silent copy of a multi-GB pool would be a bug).
+// as PyCapsules, the read-bandwidth probe, and two test hooks (a pool job whose task
+// throws, injected expert-kernel faults). Every long call releases the GIL. Pool arrays
+// are taken without conversion (a silent copy of a multi-GB pool would be a bug).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -92,6 +97,7 @@ void py_expert_ffn(const Pool4& gate_up, const Pool4& down, int64_t layer, const
   if ((int64_t)y.shape(0) != T || (int64_t)y.shape(1) != pool.d_model)
     throw std::invalid_argument("y must be [T, D]");
   TokenBatch batch{x.data(), ids.data(), weights.data(), y.data(), T, K};
+  if (take_injected_expert_fault()) throw std::runtime_error("expert_ffn: injected host kernel fault (test hook)");
   std::string err;
   {
     nb::gil_scoped_release release;
@@ -199,6 +205,37 @@ void py_attention(const F4& q, const Pool4& k, const Pool4& v, const I2& positio
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
+// Test hook for the pool's exception path: a job of counts.size() tasks, task i adding
+// 1 to counts[i]. fail "bad_alloc" / "runtime": the first task to run on a worker
+// (on_worker) or on the calling thread throws that exception; every other task waits
+// (up to 10 s) for the throw, so which side throws is certain, then sleeps 100 us, so a
+// job that went on handing out tasks would show in counts. fail "": a normal job.
+void py_pool_run_test(ThreadPool& threads, nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> counts,
+                      const std::string& fail, bool on_worker) {
+  const int64_t n = counts.shape(0);
+  if (fail != "" && fail != "bad_alloc" && fail != "runtime")
+    throw std::invalid_argument("fail must be \"\", \"bad_alloc\" or \"runtime\"");
+  if (!fail.empty() && (threads.num_threads() < 2 || n < threads.num_threads()))
+    throw std::invalid_argument("a failing job needs 2 or more threads and at least one task per thread");
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<bool> claimed{false}, thrown{false};
+  auto task = [&](int64_t i) {
+    __atomic_fetch_add(counts.data() + i, 1, __ATOMIC_RELAXED);
+    if (fail.empty()) return;
+    if ((std::this_thread::get_id() != caller) == on_worker && !claimed.exchange(true)) {
+      thrown.store(true);
+      if (fail == "bad_alloc") throw std::bad_alloc();
+      throw std::runtime_error("injected fault in task " + std::to_string(i) + " on " +
+                               (on_worker ? "a worker" : "the calling") + " thread");
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!thrown.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  };
+  nb::gil_scoped_release release;
+  parallel_for(&threads, n, task);
+}
+
 std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, int repeats,
                                       int isa) {
   nb::gil_scoped_release release;
@@ -216,6 +253,14 @@ NB_MODULE(_host_kernels, m) {
                          "Persistent worker threads; the caller is one of num_threads.")
       .def(nb::init<int>(), "num_threads"_a = 0)
       .def_prop_ro("num_threads", &ThreadPool::num_threads);
+  m.def("pool_run_test", &py_pool_run_test, "threads"_a, "counts"_a.noconvert(), "fail"_a = "",
+        "on_worker"_a = true,
+        "Test hook: runs a pool job of counts.size() tasks (task i adds 1 to counts[i]); fail "
+        "\"bad_alloc\" / \"runtime\": the first task on a worker (on_worker) or on the calling "
+        "thread throws it, and the call raises MemoryError / RuntimeError.");
+  m.def("inject_expert_faults", &inject_expert_faults, "n"_a,
+        "Test hook: the next n routed-expert kernel calls (FFI handler or expert_ffn) fail with an "
+        "\"injected host kernel fault\" error; 0 clears.");
   m.def("shared_thread_pool", &shared_thread_pool, "num_threads"_a, nb::rv_policy::reference,
         "The process's pool of num_threads workers, the one the FFI handlers use for the "
         "`threads` attribute (created on first use, never freed).");

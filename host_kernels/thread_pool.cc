@@ -1,6 +1,7 @@
 #include "thread_pool.h"
 
 #include <chrono>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -50,10 +51,18 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::drain(const Job& job) {
-  for (;;) {
-    int64_t i = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (i >= job.num_tasks) return;
-    job.fn(job.ctx, i);
+  try {
+    for (;;) {
+      const int64_t i = next_task_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job.num_tasks) return;
+      job.fn(job.ctx, i);
+    }
+  } catch (...) {
+    // Keep the first exception for the caller and hand out no more tasks: the threads
+    // still inside one finish it, then the job ends.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = std::current_exception();
+    next_task_.store(job.num_tasks, std::memory_order_relaxed);
   }
 }
 
@@ -93,9 +102,13 @@ void ThreadPool::run(int64_t num_tasks, TaskFn fn, void* ctx) {
   // No new worker may join now; wait for those inside a task, so that `ctx` (on the
   // caller's stack) outlives its last use.
   job_state_.fetch_or(kClosed, std::memory_order_acq_rel);
-  if (spin_until([this] { return all_left(); })) return;
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [this] { return all_left(); });
+  if (!spin_until([this] { return all_left(); })) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [this] { return all_left(); });
+  }
+  // Every worker has left (its leave() released its write of error_): a task's
+  // exception is now the caller's, and the slot is empty for the next job.
+  if (std::exception_ptr error = std::exchange(error_, nullptr)) std::rethrow_exception(error);
 }
 
 void ThreadPool::worker_loop() {

@@ -11,11 +11,16 @@
 // before sleeping on a condition variable: an expert FFN call is two jobs back to
 // back. Jobs from concurrent callers (two Python threads, two XLA programs) are
 // serialised by `submit_mutex_`, so a kernel call always sees the whole pool.
+// A task that throws (std::bad_alloc, ...) ends its job: no further task is handed
+// out, and `run` rethrows the first exception on the calling thread once every worker
+// has left, so an exception never unwinds a worker (std::terminate) and the pool
+// stays usable.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -35,6 +40,7 @@ class ThreadPool {
   int num_threads() const { return num_threads_; }
 
   // Runs fn(ctx, i) for i in [0, num_tasks) on all threads; returns when all are done.
+  // If a task throws, the job stops early and the first exception is rethrown here.
   void run(int64_t num_tasks, TaskFn fn, void* ctx);
 
  private:
@@ -57,10 +63,11 @@ class ThreadPool {
   int num_threads_;
   std::vector<std::thread> workers_;
   std::mutex submit_mutex_;  // one job at a time
-  std::mutex mutex_;         // sleeping and waking; job_ is written under it
+  std::mutex mutex_;         // sleeping and waking; job_ is written, error_ set, under it
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;
   Job job_;
+  std::exception_ptr error_;  // the current job's first task exception
   std::atomic<uint64_t> generation_{0};  // bumped (release) after job_ is written
   std::atomic<uint64_t> job_state_{0};
   std::atomic<bool> stop_{false};

@@ -3,7 +3,7 @@
 A decode step's work depends on how many cached keys it must read, not on their values,
 so each context is set up by giving the step a state of that capacity and a position of
 that length (filling 32k tokens by prefill would take hours on a 2-core CPU); the step
-is the model's real jitted decode step (`Model._steps.decode`), with its real executor.
+is the model's real jitted decode step (`Model.decode_step`), with its real executor.
 One JSON line per context with commit and machine fields: median ms/token over
 `--steps` steps after a compile+warm-up round (x `--rounds`, the contexts taken in turn), the KV bytes read per token and the
 achieved attention read rate.
@@ -44,9 +44,8 @@ def step_times(model, context: int, steps: int) -> list[float]:
     times = []
     for i in range(steps + 2):  # the first two compile and warm
         t0 = time.perf_counter()
-        token, _, state, model._xstate, _ = model._steps.decode(
-            model._params, state, model._xstate, model._pool_dev, token, np.array([context + i], np.int32), active,
-            keys, np.array([i], np.int32), *settings)
+        token, _, state = model.decode_step(state, token, np.array([context + i], np.int32), active, keys,
+                                            np.array([i], np.int32), *settings)
         np.asarray(token)  # the step's one host sync, as the generation loop reads it
         times.append(time.perf_counter() - t0)
     return times[2:]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ftjax
+from ftjax.engine.sampling import bias_arrays
 import hf_models
 from ftjax.models.layers import blocked_attention, reference_attention
 
@@ -159,7 +160,7 @@ def test_decode_step_updates_the_state_in_place(tmp_path, kv_dtype):
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
     args = (model._params, state, model._xstate, model._pool_dev, jnp.zeros(1, jnp.int32), np.array([5], np.int32),
             np.ones(1, bool), jax.random.PRNGKey(0)[None], np.zeros(1, np.int32), jnp.zeros(1), jnp.zeros(1, jnp.int32),
-            jnp.ones(1))
+            jnp.ones(1), *bias_arrays([None], model.config.vocab_size))
     compiled = model._steps.decode.lower(*args).compile()
     assert f"f32[1,{model.config.num_kv_heads},{cap}," not in compiled.as_text() or kv_dtype == "float32"
     mem = compiled.memory_analysis()

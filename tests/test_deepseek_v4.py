@@ -323,9 +323,8 @@ def test_inactive_rows_keep_their_state(dsv4, reference):
     m = model
 
     def run(state, tokens, start, length):
-        logits, state, m._xstate, _ = m._steps.prefill(m._params, state, m._xstate, m._pool_dev,
-                                                       jnp.asarray(tokens, jnp.int32), jnp.asarray(start, jnp.int32),
-                                                       jnp.asarray(length, jnp.int32))
+        logits, state = m.prefill_step(state, np.asarray(tokens, np.int32), np.asarray(start, np.int32),
+                                       np.asarray(length, np.int32))
         return np.asarray(logits), state
 
     tokens = np.zeros((2, 16), np.int32)

@@ -4,12 +4,43 @@ The sampling settings are traced scalars, so changing them never recompiles; gre
 (temperature 0) is a branch of the same program. The key for step i of a
 row is fold_in(PRNGKey(seed), i), so a seeded run is reproducible token for token, alone
 or in a batch.
+
+Per-row logit bias (OpenAI's `logit_bias`, and banned tokens as -inf: `tool_choice:
+"none"` bans `<tool_call>`) is applied to the logits before any of this, inside the
+step, so a banned token is never drawn and a sampled row samples from what is left. It
+travels sparse, `ids [B, K]` / `values [B, K]` with K a bucket of at least
+`MIN_BIAS_SLOTS` (padding ids = V, dropped), so most requests share one program.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MIN_BIAS_SLOTS = 8
+
+
+def bias_arrays(rows: list[dict[int, float] | None], vocab_size: int, batch: int | None = None):
+    """Per-row {token: bias} (None: none) -> (ids [B, K] int32, values [B, K] f32), padded
+    to `batch` rows and K = the next power of two >= the longest row (>= MIN_BIAS_SLOTS);
+    padding ids are `vocab_size` (out of range: dropped by `apply_bias`)."""
+    B = batch or len(rows)
+    longest = max((len(r) for r in rows if r), default=0)
+    K = max(MIN_BIAS_SLOTS, 1 << max(longest - 1, 0).bit_length())
+    ids = np.full((B, K), vocab_size, np.int32)
+    values = np.zeros((B, K), np.float32)
+    for b, row in enumerate(rows):
+        if row:
+            ids[b, :len(row)] = list(row)
+            values[b, :len(row)] = list(row.values())
+    return ids, values
+
+
+def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits [B, V] + values [B, K] at ids [B, K] (ids out of range are dropped)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(values, mode="drop")
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

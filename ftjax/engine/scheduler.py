@@ -16,18 +16,34 @@ Shapes stay in a small set so the programs compile a bounded number of times: th
 batch Bp is padded to a power of two (at most `max_batch`), the capacity S of the
 batched state and of a prefilling session to MIN_CAPACITY x 4^i (at most the model's
 context; attention reads only the keys in use, so a larger S costs memory, not time),
-a prefill chunk to a power of two. The state grows (rows, capacity) when a joining row
-needs it and is compacted to the smallest bucket that holds the live rows when rows
-leave. `warmup()` compiles every shape up front.
+a prefill chunk to a power of two. Capacity follows the tokens actually held, not
+`max_new_tokens`: the batched state grows to the next bucket when a row reaches its
+end, and shrinks (rows and capacity) to the smallest buckets that hold the live rows
+when rows leave, so one request asking for the whole context does not size every row.
+`warmup()` compiles every shape up front.
 
 A row samples exactly as a lone `Session.generate` would: token 0 from the prefill
 logits with fold_in(PRNGKey(seed), 0), token i with counter i; so greedy and seeded
 output does not depend on who else is in the batch. Two per-row controls serve
 constrained output: `forced` tokens (given up front, or returned by `on_token` along
-the way) are emitted and fed before any sampled one, and `banned` tokens are never chosen (the best allowed token of the step's logits instead).
+the way) are emitted and fed before any sampled one, and a per-row logit bias (`banned`
+tokens at -inf, OpenAI's `logit_bias`) is added inside the jitted step before sampling.
+
+Every job ends exactly once. A job is tracked from the moment it leaves the queue (as
+the prefill) until it leaves the batch, and `_finish` is the only way out: eos | stop |
+length | context | cancelled | timeout (its `deadline` passed) | error: .... A failed
+prefill (restore, chunk, join) fails that job alone; a failed decode step fails the
+rows of the batch (their donated state is gone). Either way the expert-cache state is
+rebuilt if the failure consumed it (`Model.recover`), the failure is logged with the
+job ids, and the loop goes on serving; if recovery itself fails the scheduler is
+`degraded` (with the reason) and refuses new work until a later recovery succeeds.
+
+Bounded: the queue holds at most `max_queue` jobs (`submit` raises `QueueFull`);
+`drain()` stops admitting (`NotAccepting`), and `fail_pending(reason)` ends everything
+still queued or running, for a shutdown whose deadline has passed.
 
 Threading: `run()` is the engine loop on one thread (JAX calls are blocking);
-`submit` / `cancel` / `stats` may be called from any thread. A cancelled job leaves
+`submit` / `cancel` / `stats` / `drain` / `fail_pending` may be called from any thread. A cancelled job leaves
 within one iteration (at most one prefill chunk plus one decode step) and its state
 is dropped.
 """
@@ -35,6 +51,7 @@ is dropped.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,19 +62,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.engine.memory import tree_bytes
+from ftjax.engine.memory import DeviceMemoryError, tree_bytes
+from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import MIN_CAPACITY, Sampling, _first_tokens, bucket
 from ftjax.models.common import resize_state
 
 if TYPE_CHECKING:
     from ftjax.model import Model
 
+log = logging.getLogger("ftjax.engine")
+DEFAULT_MAX_QUEUE = 64
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs: come back later."""
+
+
+class NotAccepting(Exception):
+    """The scheduler takes no new work (draining for shutdown, or degraded)."""
+
 
 @dataclass(eq=False)
 class Job:
     """One request's generation. `on_token(tok)` returns True to stop it (e.g. a stop
     string), or a list of tokens to force next (e.g. closing a reasoning budget);
-    `on_done(reason)` is called once: eos | stop | length | context | cancelled | error: ..."""
+    `on_done(reason)` is called exactly once: eos | stop | length | context | cancelled |
+    timeout | error: ... Both are called on the engine thread and must not block."""
 
     prompt: np.ndarray  # [T] int32, checked by the caller
     max_new_tokens: int
@@ -66,9 +96,19 @@ class Job:
     on_done: Callable[[str], None]
     forced: list[int] = field(default_factory=list)
     banned: frozenset = frozenset()
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token -> added to its logit
+    deadline: float | None = None  # time.monotonic() by which it must end ("timeout")
+    id: str = ""  # for logs
     cancelled: bool = False
     new_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the state cache, not prefilled
+    outcome: str | None = None  # the reason it ended, once it has
+
+    def bias(self) -> dict[int, float] | None:
+        """The row's logit bias: logit_bias, banned tokens at -inf."""
+        if not self.banned:
+            return self.logit_bias or None
+        return {**self.logit_bias, **{int(t): -np.inf for t in self.banned}}
 
 
 @dataclass(eq=False)
@@ -77,7 +117,6 @@ class _Row:
     pos: int  # where the next fed token goes (= tokens fed so far)
     token: int  # the next token to feed (the last one emitted)
     budget: int  # new tokens it may produce in all
-    end: int  # prompt + budget: the capacity it needs
     key: jax.Array
     forced: collections.deque
 
@@ -85,7 +124,7 @@ class _Row:
 @dataclass(eq=False)
 class _Prefill:
     job: Job
-    session: object
+    session: object = None  # None until the state cache / a new session gives one
     done: int = 0  # prompt tokens fed
     snapshots: list[int] = field(default_factory=list)  # positions after which the state cache takes one
 
@@ -112,11 +151,19 @@ def _put_row(state, row, slot):
     return jax.tree.map(lambda a, r: a.at[slot].set(r[0].astype(a.dtype)), state, row)
 
 
+def _consumed(tree) -> bool:
+    """Whether a failed step donated (and so deleted) any buffer of `tree`."""
+    return any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(tree))
+
+
 class Scheduler:
-    def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None):
+    def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
-        self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be a positive number of requests, got {max_queue!r}")
+        self.model, self.max_batch, self.prefill_chunk, self.max_queue = model, max_batch, prefill_chunk, max_queue
         self.state_cache = state_cache  # engine.state_cache.StateCache, or None
         self.buckets = batch_buckets(max_batch)
         self.capacities = capacity_buckets(model.max_seq_len)
@@ -128,14 +175,25 @@ class Scheduler:
         self._state = None  # batched per-layer state [Bp, ..., S, ...]
         self._cap = 0
         self._counts = collections.Counter()
+        self.accepting = True
+        self.degraded: str | None = None  # why the engine cannot serve, while it cannot
         self.lock = threading.Lock()  # held for each step: readers of the model's telemetry take it too
+        self.listeners: list[Callable[[Job, str], None]] = []  # told of every job's end (metrics)
         self.memory = model.memory  # engine.memory.DeviceMemory or None
         if self.memory is not None:
             self.memory.register(self)
 
     # ---- any thread --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        """Queue a job; raises NotAccepting (draining or degraded) or QueueFull."""
         with self._cv:
+            if not self.accepting:
+                raise NotAccepting("the server is shutting down and accepts no new requests")
+            if self.degraded:
+                raise NotAccepting(f"the engine is degraded: {self.degraded}")
+            if len(self._queue) >= self.max_queue:
+                self._counts["rejected"] += 1
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._queue.append(job)
             self._cv.notify()
 
@@ -144,11 +202,33 @@ class Scheduler:
         with self._cv:
             self._cv.notify()
 
+    def drain(self) -> None:
+        """Stop admitting; what is queued or running goes on."""
+        with self._cv:
+            self.accepting = False
+            self._cv.notify()
+
+    def fail_pending(self, reason: str) -> None:
+        """End every queued and running job with `reason` (a shutdown past its deadline).
+        Takes the step lock: returns once the engine thread is between steps."""
+        with self.lock:
+            with self._cv:
+                queued, self._queue = list(self._queue), collections.deque()
+            for job in queued:
+                self._finish(job, reason)
+            self._fail_batch(reason, prefill=True)
+
+    def pending(self) -> int:
+        """Jobs queued, prefilling or decoding."""
+        return len(self._queue) + (self._prefill is not None) + sum(r is not None for r in self._rows)
+
     def stats(self) -> dict:
         rows = [r for r in self._rows if r is not None]
         return {"queued": len(self._queue), "prefilling": int(self._prefill is not None), "active": len(rows),
-                "max_batch": self.max_batch, "batch_rows": len(self._rows), "capacity": self._cap,
-                **{k: self._counts[k] for k in ("steps", "admitted", "finished", "cancelled", "errors", "peak_active")}}
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "batch_rows": len(self._rows),
+                "capacity": self._cap, "accepting": self.accepting, "degraded": self.degraded,
+                **{k: self._counts[k] for k in ("steps", "admitted", "finished", "cancelled", "timeouts", "errors",
+                                                "rejected", "recoveries", "peak_active")}}
 
     # ---- the engine thread -------------------------------------------------------------------
     def run(self, stop: threading.Event, idle_s: float = 0.25) -> None:
@@ -163,13 +243,13 @@ class Scheduler:
 
     def device_state_bytes(self) -> int:
         """The batched state's bytes (for the elastic memory budget)."""
-        return tree_bytes(self._state)
+        return 0 if self._state is None or _consumed(self._state) else tree_bytes(self._state)
 
     def need_bytes(self, job: Job) -> int:
-        """Device bytes admitting a job adds at its peak (when it joins the batch): its
-        prefill session's state plus the batched state's growth (a row, maybe more rows
-        and a larger capacity for all)."""
-        cap = self._capacity(job.prompt.size + job.max_new_tokens)
+        """Device bytes admitting a job adds when it joins the batch: its prefill
+        session's state plus the batched state's growth (a row, maybe more rows and a
+        larger capacity for all). Decoding grows it further, a bucket at a time."""
+        cap = self._capacity(job.prompt.size + 1)
         session = self.memory.state_bytes(cap)
         if self._state is None:
             return session  # the batch adopts the session's state
@@ -184,40 +264,85 @@ class Scheduler:
         return bool(self._queue) or self._prefill is not None or any(self._rows)
 
     def step(self) -> None:
-        """One iteration: drop cancelled jobs, one prefill chunk, one decode step."""
-        try:
-            self._drop_cancelled()
-            self._advance_prefill()
-            if any(self._rows):
+        """One iteration: end cancelled and expired jobs, one prefill chunk, one decode
+        step. A failure ends the jobs it touched and leaves the scheduler serving."""
+        self._drop_ended()
+        if self._prefill is not None or self._queue:
+            try:
+                self._advance_prefill()
+            except Exception as e:
+                self._failed("prefill", e, batch=self._state is not None and _consumed(self._state))
+        if any(self._rows):
+            try:
                 self._decode()
-        except Exception as e:  # a failed step fails its jobs; the loop (and server) go on
-            self._fail_all(f"error: {type(e).__name__}: {e}")
+            except Exception as e:
+                self._failed("decode", e, batch=True)
 
     def _finish(self, job: Job, reason: str) -> None:
-        self._counts["cancelled" if reason == "cancelled" else "finished"] += 1
-        job.on_done(reason)
+        """The one way a job ends: exactly once, whatever its callbacks do."""
+        if job.outcome is not None:
+            return
+        job.outcome = reason
+        kind = reason.split(":")[0]
+        self._counts[{"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(kind, "finished")] += 1
+        for fn in [job.on_done, *self.listeners]:
+            try:
+                fn(reason) if fn is job.on_done else fn(job, reason)
+            except Exception:
+                log.exception("job %s: a done callback raised", job.id or id(job))
 
-    def _fail_all(self, reason: str) -> None:
-        self._counts["errors"] += 1
-        jobs = [r.job for r in self._rows if r is not None] + ([self._prefill.job] if self._prefill else [])
-        self._rows, self._state, self._cap, self._prefill = [], None, 0, None
+    def _failed(self, where: str, e: Exception, batch: bool) -> None:
+        """A step raised: fail the prefilling job (and the batch's rows when their state is
+        gone), rebuild what the failure consumed, log it, go on."""
+        reason = f"error: {type(e).__name__}: {e}"
+        ids = ([self._prefill.job.id] if self._prefill else []) + \
+              ([r.job.id for r in self._rows if r is not None] if batch else [])
+        log.error("%s step failed (jobs %s): %s", where, ", ".join(i or "?" for i in ids), reason, exc_info=e)
+        self._fail_batch(reason, prefill=True, rows=batch)
+        try:
+            if self.model.recover():
+                self._counts["recoveries"] += 1
+            self.degraded = None
+        except Exception as err:  # cannot rebuild: refuse new work rather than fail every request later
+            self.degraded = f"cannot rebuild the expert cache after a failed {where} step: {type(err).__name__}: {err}"
+            log.exception("recovery failed")
+
+    def _fail_batch(self, reason: str, prefill: bool, rows: bool = True) -> None:
+        jobs = []
+        if prefill and self._prefill is not None:
+            p, self._prefill = self._prefill, None
+            jobs.append(p.job)
+            if p.session is not None and p.session._state is not None and not _consumed(p.session._state):
+                p.session.close()
+        if rows:
+            jobs += [r.job for r in self._rows if r is not None]
+            self._rows, self._state, self._cap = [], None, 0
+            if self.memory is not None:
+                self.memory.rebalance()
         for job in jobs:
             self._finish(job, reason)
 
-    def _drop_cancelled(self) -> None:
+    def _drop_ended(self) -> None:
+        """Cancelled jobs leave; jobs past their deadline end with "timeout"."""
+        now = time.monotonic()
+
+        def reason(job: Job) -> str | None:
+            return "cancelled" if job.cancelled else "timeout" if job.deadline is not None and now > job.deadline \
+                else None
         with self._cv:
-            gone = [j for j in self._queue if j.cancelled]
-            for j in gone:
+            gone = [(j, reason(j)) for j in self._queue if reason(j)]
+            for j, _ in gone:
                 self._queue.remove(j)
-        for j in gone:
-            self._finish(j, "cancelled")
-        if self._prefill is not None and self._prefill.job.cancelled:
+        for j, why in gone:
+            self._finish(j, why)
+        if self._prefill is not None and reason(self._prefill.job):
             p, self._prefill = self._prefill, None
-            p.session.close()
-            self._finish(p.job, "cancelled")
+            if p.session is not None:
+                p.session.close()
+            self._finish(p.job, reason(p.job))
         for b, r in enumerate(self._rows):
-            if r is not None and r.job.cancelled:
-                self._leave(b, "cancelled")
+            if r is not None and reason(r.job):
+                self._leave(b, reason(r.job))
         self._compact()
 
     # ---- prefill and joining -----------------------------------------------------------
@@ -231,15 +356,16 @@ class Scheduler:
                 if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
                     return  # waits for running rows to leave (it fits alone: checked at submission)
                 self._queue.popleft()
-            cap = self._capacity(job.prompt.size + job.max_new_tokens)
-            s, done, snapshots = self.model.session(), 0, []
-            if self.state_cache is not None:
-                s, done = self.state_cache.restore(job.prompt, cap)
-                snapshots = [b for b in self.state_cache.boundaries(job.prompt) if b > done]
-            job.cached_tokens = done
-            s.reserve(cap)
-            self._prefill = _Prefill(job, s, done, snapshots)
+                self._prefill = p = _Prefill(job)  # tracked from here on: a failure below ends it
             self._counts["admitted"] += 1
+            cap = self._capacity(job.prompt.size + 1)
+            if self.state_cache is not None:
+                p.session, p.done = self.state_cache.restore(job.prompt, cap)
+                p.snapshots = [b for b in self.state_cache.boundaries(job.prompt) if b > p.done]
+            else:
+                p.session = self.model.session()
+            job.cached_tokens = p.done
+            p.session.reserve(cap)
         p = self._prefill
         end = min(p.done + self.prefill_chunk, p.job.prompt.size, *p.snapshots[:1])  # a chunk ends at a snapshot
         if end > p.done:
@@ -247,35 +373,41 @@ class Scheduler:
             p.done = end
         if p.snapshots and p.done == p.snapshots[0]:
             p.snapshots.pop(0)
-            self.state_cache.insert(p.session, "prompt" if p.done == p.job.prompt.size else "boundary")
+            self._snapshot(p.session, "prompt" if p.done == p.job.prompt.size else "boundary")
         if p.done == p.job.prompt.size:
+            self._join(p)
             self._prefill = None
-            self._join(p.job, p.session)
 
-    def _join(self, job: Job, session) -> None:
+    def _snapshot(self, session, kind: str) -> None:
+        """Into the state cache; the cache is an optimisation, so a failure there (a full
+        disk, a device allocation) is logged and the request goes on."""
+        try:
+            self.state_cache.insert(session, kind)
+        except Exception as e:
+            self._counts["state_cache_errors"] += 1
+            log.warning("state cache: snapshot not taken (%s: %s); the request goes on", type(e).__name__, e)
+
+    def _join(self, p: _Prefill) -> None:
         """First token from the prefill logits; then a row of the batch (unless done)."""
-        m = self.model
+        job, session, m = p.job, p.session, self.model
         smp = job.sampling
         key = jax.random.PRNGKey(smp.seed)
         forced = collections.deque(job.forced)
         budget = min(job.max_new_tokens, m.max_seq_len - job.prompt.size)
-        logits = session._next_logits  # [1, V]
         if forced:
             tok = forced.popleft()
         else:
-            t, k, p = smp.rows(1)
-            tok = int(np.asarray(_first_tokens(logits, key[None], np.zeros(1, np.int32), t, k, p))[0])
-            if tok in job.banned:
-                tok = _best_allowed(np.asarray(logits[0]), job.banned)
-        row = _Row(job, pos=job.prompt.size, token=tok, budget=budget, end=job.prompt.size + budget, key=key,
-                   forced=forced)
+            t, k, top_p = smp.rows(1)
+            tok = int(np.asarray(_first_tokens(session._next_logits, key[None], np.zeros(1, np.int32), t, k, top_p,
+                                               *bias_arrays([job.bias()], m.config.vocab_size)))[0])
+        row = _Row(job, pos=job.prompt.size, token=tok, budget=budget, key=key, forced=forced)
         if self._emit(row, tok):
             session.close()  # done at its first token: its state goes (the expert cache may grow back)
             return
         self._place(row, session)
 
     def _place(self, row: _Row, session) -> None:
-        cap = self._capacity(max([row.end] + [r.end for r in self._rows if r is not None]))
+        cap = self._capacity(max([row.pos + 1] + [r.pos + 1 for r in self._rows if r is not None]))
         if self._state is None:  # the batch of one adopts the session's state
             self._state = session._state if session.capacity == cap else \
                 resize_state(self.model.config, session._state, cap)
@@ -314,16 +446,39 @@ class Scheduler:
         self._rows = [self._rows[i] for i in keep] + [None] * (n - len(keep))
 
     def _compact(self) -> None:
+        """Shrink to the smallest row and capacity buckets that hold the live rows."""
         live = [b for b, r in enumerate(self._rows) if r is not None]
-        before = len(self._rows)
+        before = (len(self._rows), self._cap)
         if not live:
             self._rows, self._state, self._cap = [], None, 0
         else:
             n = next(b for b in self.buckets if b >= len(live))
             if n < len(self._rows):
                 self._resize_rows(n, live)
-        if self.memory is not None and len(self._rows) < before:
+            cap = self._capacity(max(self._rows[b].pos + 1 for b in range(len(self._rows)) if self._rows[b]))
+            if cap < self._cap:
+                self._state, self._cap = resize_state(self.model.config, self._state, cap), cap
+        if self.memory is not None and (len(self._rows), self._cap) != before:
             self.memory.rebalance()  # the batched state shrank: the expert cache grows back
+
+    def _grow(self) -> None:
+        """Before a decode step: the capacity must hold every live row's next token. Rows
+        the device budget cannot grow for end with an error; the others go on."""
+        need = max(r.pos + 1 for r in self._rows if r is not None)
+        if need <= self._cap:
+            return
+        cap = self._capacity(need)
+        if self.memory is not None:
+            try:
+                self.memory.make_room(self.memory.state_bytes(cap, len(self._rows)) - self.device_state_bytes(),
+                                      f"the batched state at {cap} tokens")
+            except DeviceMemoryError as e:
+                for b, r in enumerate(self._rows):
+                    if r is not None and r.pos + 1 > self._cap:
+                        self._leave(b, f"error: DeviceMemoryError: {e}")
+                self._compact()
+                return
+        self._state, self._cap = resize_state(self.model.config, self._state, cap), cap
 
     def warmup(self) -> float:
         """Compile the programs the loop meets (prefill chunk x capacity, decode and row
@@ -340,10 +495,8 @@ class Scheduler:
             for Bp in self.buckets:
                 state = _put_row(m.new_state(Bp, cap), m.new_state(1, cap), 0)
                 zeros = np.zeros(Bp, np.int32)
-                out = m._steps.decode(m._params, state, m._xstate, m._pool_dev, jnp.asarray(zeros), zeros,
-                                      np.zeros(Bp, bool), jnp.stack([jax.random.PRNGKey(0)] * Bp), zeros,
-                                      np.zeros(Bp, np.float32), zeros, np.ones(Bp, np.float32))
-                m._xstate = out[3]
+                out = m.decode_step(state, zeros, zeros, np.zeros(Bp, bool), jnp.stack([jax.random.PRNGKey(0)] * Bp),
+                                    zeros, np.zeros(Bp, np.float32), zeros, np.ones(Bp, np.float32))
                 jax.block_until_ready(out[0])
         if self.state_cache is not None:
             self.state_cache.warmup(self.capacities)
@@ -354,7 +507,10 @@ class Scheduler:
     # ---- decoding ------------------------------------------------------------------------
     def _decode(self) -> None:
         m = self.model
+        self._grow()
         rows = self._rows
+        if not any(rows):
+            return
         Bp = len(rows)
         live = [b for b, r in enumerate(rows) if r is not None]
         tokens, pos, counters = (np.zeros(Bp, np.int32) for _ in range(3))
@@ -367,13 +523,12 @@ class Scheduler:
             s = r.job.sampling
             tokens[b], pos[b], counters[b], active[b], keys[b] = r.token, r.pos, r.job.new_tokens, True, r.key
             temperature[b], top_k[b], top_p[b] = s.temperature, s.top_k, s.top_p
+        bias = bias_arrays([r.job.bias() if r is not None else None for r in rows], m.config.vocab_size)
         t0 = time.perf_counter()
-        out, logits, self._state, m._xstate, codes = m._steps.decode(
-            m._params, self._state, m._xstate, m._pool_dev, jnp.asarray(tokens), pos, active, jnp.stack(keys),
-            counters, temperature, top_k, top_p)
-        m._telemetry.record("decode", codes)
+        state, self._state = self._state, None  # donated: a failed step leaves no state behind
+        out, _, self._state = m.decode_step(state, tokens, pos, active, jnp.stack(keys), counters, temperature, top_k,
+                                            top_p, bias)
         ids = np.asarray(out)  # the one host sync per step
-        m.calibrate()
         timing = m._telemetry.timing
         timing.decode_s += time.perf_counter() - t0
         timing.decode_tokens += len(live)
@@ -382,8 +537,6 @@ class Scheduler:
             r = rows[b]
             r.pos += 1
             tok = r.forced.popleft() if r.forced else int(ids[b])
-            if tok in r.job.banned:
-                tok = _best_allowed(np.asarray(logits[b]), r.job.banned)
             r.token = tok
             if self._emit(r, tok):
                 rows[b] = None
@@ -393,7 +546,12 @@ class Scheduler:
         """Hand a new token to its job; True when the job has finished (and been told)."""
         job = row.job
         job.new_tokens += 1
-        stop = job.on_token(tok)
+        try:
+            stop = job.on_token(tok)
+        except Exception as e:  # the job's own callback: it alone fails
+            log.exception("job %s: on_token raised", job.id or id(job))
+            self._finish(job, f"error: {type(e).__name__}: {e}")
+            return True
         if isinstance(stop, list):
             row.forced.extend(stop)
             stop = False
@@ -408,9 +566,3 @@ class Scheduler:
         job = self._rows[b].job
         self._rows[b] = None
         self._finish(job, reason)
-
-
-def _best_allowed(logits: np.ndarray, banned: frozenset) -> int:
-    """The most likely token of logits [V] that is not banned."""
-    order = np.argsort(-logits)
-    return int(next(t for t in order if int(t) not in banned))

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.engine.memory import tree_bytes
-from ftjax.engine.sampling import sample
+from ftjax.engine.sampling import apply_bias, bias_arrays, sample
+from ftjax.engine.stops import StopMatcher, check_stops
 from ftjax.engine.telemetry import Timing
 from ftjax.models.common import resize_state
 
@@ -57,8 +58,10 @@ def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
 
 
 @jax.jit
-def _first_tokens(logits, keys, counters, temperature, top_k, top_p):
-    """Sample from logits [B, V] with fold_in(keys[b], counters[b]) per row -> [B]."""
+def _first_tokens(logits, keys, counters, temperature, top_k, top_p, bias_ids, bias_values):
+    """Sample from logits [B, V] + bias (ids / values [B, K]) with fold_in(keys[b],
+    counters[b]) per row -> [B]."""
+    logits = apply_bias(logits, bias_ids, bias_values)
     return sample(logits, jax.vmap(jax.random.fold_in)(keys, counters), temperature, top_k, top_p)
 
 
@@ -248,18 +251,9 @@ class Session:
         t_pad = min(bucket(T), self._capacity - start)
         tokens = np.zeros((1, t_pad), np.int32)  # [B, T bucket]
         tokens[0, :T] = ids
-        start_rows, length = np.array([start], np.int32), np.array([T], np.int32)
-        if m.streams(T):
-            logits, self._state, codes, nbytes = m._streamed.run(
-                m._params, self._state, m._xstate, m.checkpoint.pool, jnp.asarray(tokens), start_rows, length,
-                all_logits=all_logits)
-            m._telemetry.timing.bytes_streamed += nbytes
-        else:
-            logits, self._state, m._xstate, codes = m._steps.prefill(
-                m._params, self._state, m._xstate, m._pool_dev, jnp.asarray(tokens), start_rows, length,
-                all_logits=all_logits)
-        m._telemetry.record("prefill", codes)
-        m.calibrate()
+        state, self._state = self._state, None  # donated: if the step fails, the session has no state
+        logits, self._state = m.prefill_step(state, tokens, np.array([start], np.int32), np.array([T], np.int32),
+                                             all_logits)
         self._fed += T
         self._next_logits = logits[:, T - 1] if all_logits else logits
         return logits
@@ -274,9 +268,10 @@ class Session:
         self._check_room(arr.size)
         pending = self._ids[self._fed:]
         t0 = time.perf_counter()
-        logits = self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]), all_logits)
+        with self.model.recovering():
+            logits = self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]), all_logits)
+            out = np.asarray(logits[0, len(pending):len(pending) + arr.size] if all_logits else logits[0], np.float32)
         self._ids.extend(int(t) for t in arr)
-        out = np.asarray(logits[0, len(pending):len(pending) + arr.size] if all_logits else logits[0], np.float32)
         self._add_prefill_time(time.perf_counter() - t0, arr.size)
         return out
 
@@ -384,6 +379,7 @@ def _check_generation(model, max_new_tokens: int, sampling: Sampling, stop) -> S
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if stop and model.tokenizer is None:
         raise ValueError("stop strings need a tokenizer (the model folder has no tokenizer.json)")
+    check_stops(stop)
     return sampling
 
 
@@ -418,16 +414,12 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
     new: list[list[int]] = [[] for _ in range(B)]
     stats = [s.last_generation for s in sessions]
     step_logits = step_logits or [None] * B
-    tel = m._telemetry
+    matchers = [StopMatcher(m.tokenizer, stop) if stop else None for _ in range(B)]
 
     def decode(token, counter):
         nonlocal state
-        token, logits, state, m._xstate, codes = m._steps.decode(
-            # copies: on the CPU backend jit may alias a numpy argument, and these change
-            m._params, state, m._xstate, m._pool_dev, token, pos.copy(), active.copy(), keys,
-            np.full((Bp,), counter, np.int32), temperature, top_k, top_p)
-        tel.record("decode", codes)
-        m.calibrate()
+        token, logits, state = m.decode_step(state, token, pos, active, keys, np.full((Bp,), counter, np.int32),
+                                             temperature, top_k, top_p)
         pos[:B] += active[:B]
         for b in np.flatnonzero(active[:B]):
             sessions[b]._fed += 1
@@ -444,7 +436,8 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
             else:
                 logits = jnp.concatenate([s._next_logits for s in sessions]
                                          + [jnp.zeros_like(sessions[0]._next_logits)] * (Bp - B))
-                token = _first_tokens(logits, keys, np.zeros(Bp, np.int32), temperature, top_k, top_p)
+                token = _first_tokens(logits, keys, np.zeros(Bp, np.int32), temperature, top_k, top_p,
+                                      *bias_arrays([None] * Bp, m.config.vocab_size))
             ids = np.asarray(token)  # the one host sync per step
             now = time.perf_counter()
             if i == 0:
@@ -462,7 +455,7 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
                 g.new_tokens, g.decode_s = len(new[b]), now - t_first
                 if tok in eos:
                     g.stop_reason = "eos"
-                elif stop and any(x in m.tokenizer.decode(new[b]) for x in stop):  # stop strings can span tokens
+                elif matchers[b] is not None and matchers[b].push(tok) is not None:  # stop strings can span tokens
                     g.stop_reason = "stop"
                 elif len(new[b]) >= budgets[b]:
                     g.stop_reason = "length" if budgets[b] == requested else "context"
@@ -471,6 +464,9 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
                     yield tok
             if not active.any():
                 break
+    except Exception:
+        m.recover()  # the model stays usable; this generation's sessions hold no state
+        raise
     finally:
         for b, s in enumerate(sessions):
             s._state = state if Bp == 1 else jax.tree.map(lambda a, b=b: a[b:b + 1], state)

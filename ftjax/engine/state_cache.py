@@ -47,8 +47,10 @@ unchanged prefix). On a cuttable model both reuse to the first changed token.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,7 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 
+from ftjax.engine import faults
 from ftjax.engine.memory import DeviceMemoryError, tree_bytes
 from ftjax.engine.session import MIN_CAPACITY, Snapshot, bucket
 from ftjax.models.common import put_segment, take_segment
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
     from ftjax.engine.session import Session
     from ftjax.model import Model
 
+log = logging.getLogger("ftjax.engine")
 BOUNDARY_TAGS = ("</think>", "</tool_call>", "</tool_output>", "</tool_response>")
 MODES = ("off", "prefix", "semantic")  # off: no StateCache at all
 TIERS = ("device", "host", "disk")
@@ -153,7 +157,8 @@ class StateCache:
         self._clock = itertools.count(1)
         self._names = itertools.count()
         self.counters = {k: 0 for k in ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled", "inserts",
-                                        "to_host", "to_disk", "dropped", "from_host", "from_disk")}
+                                        "to_host", "to_disk", "dropped", "from_host", "from_disk", "disk_errors")}
+        self.hit_kinds: collections.Counter = collections.Counter()  # restores by the node they ended on
         self.memory = model.memory  # elastic device budget: the device tier counts as states
         if self.memory is not None:
             self.memory.register(self)
@@ -214,7 +219,10 @@ class StateCache:
             if k > 0:
                 path.append(part)
                 depth += k
-        if path and depth == len(ids) and path[-1].kind == "split":  # a split point: no logits saved
+        while path and depth == path[-1].depth and path[-1].kind == "split":
+            # a split point has no logits: reuse one token less, so the prefill of the
+            # rest gives them (a split exists only on cuttable states, where a cut inside
+            # its edge is a state too)
             depth -= 1
             if depth == path[-1].parent.depth:
                 path.pop()
@@ -244,7 +252,7 @@ class StateCache:
 
     def stats(self) -> dict:
         nodes = list(self._nodes())
-        return {"mode": self.mode, **self.counters,
+        return {"mode": self.mode, **self.counters, "hit_kinds": dict(self.hit_kinds),
                 "entries": {t: sum(n.tier == t for n in nodes) for t in TIERS},
                 "bytes": {t: sum(n.nbytes for n in nodes if n.tier == t) for t in TIERS},
                 "budget_bytes": dict(self.budget)}
@@ -260,17 +268,25 @@ class StateCache:
         (when the prefix is shorter than ids, the session's logits come from that).
         `capacity`: the restored state's size (default: the next power of two)."""
         path, depth = self._reuse(ids)
+        for n in path:  # disk -> host -> device (host-tier segments stay there without device room)
+            if n.tier == "disk":
+                try:
+                    self._from_disk(n)
+                except Exception as e:  # unreadable: forget it (and what hangs off it), reuse less
+                    log.warning("state cache: dropping node %s, its disk copy is unreadable (%s: %s)", n.name,
+                                type(e).__name__, e)
+                    self.counters["disk_errors"] += 1
+                    self._forget(n)
+                    return self.restore(ids, capacity)
+            if n.tier == "host" and self._room_on_device(n.nbytes):
+                self._to_device(n)
         self.counters["lookups"] += 1
         session = self.model.session()
         if not path:
             self.counters["misses"] += 1
             self.counters["tokens_prefilled"] += len(ids)
             return session, 0
-        for n in path:  # disk -> host -> device (host-tier segments stay there without device room)
-            if n.tier == "disk":
-                self._from_disk(n)
-            if n.tier == "host" and self._room_on_device(n.nbytes):
-                self._to_device(n)
+        faults.check("restore")
         last = path[-1]
         self._touch(last)
         m = self.model
@@ -283,6 +299,7 @@ class StateCache:
         logits = last.logits if depth == last.depth else jax.numpy.zeros(self.model.config.vocab_size, jax.numpy.float32)
         session._adopt(state, list(ids[:depth]), logits, cap)
         self.counters["hits"] += 1
+        self.hit_kinds[last.kind if depth == last.depth else "cut"] += 1
         self.counters["tokens_reused"] += depth
         self.counters["tokens_prefilled"] += len(ids) - depth
         self._enforce()
@@ -375,9 +392,12 @@ class StateCache:
 
     # ---- tiers ---------------------------------------------------------------------------------
     def _from_disk(self, n: _Node) -> None:
+        faults.check("disk_read")
         snap = Snapshot.load(self.disk_dir / n.name)
+        if snap.ids != n.ids():
+            raise ValueError(f"{self.disk_dir / n.name} holds other tokens than its place in the tree")
         n.segment, n.tier = snap.state, "host"
-        n.logits = snap.next_logits if snap.next_logits.size else None  # a split point has none
+        n.logits = None if n.kind == "split" else snap.next_logits  # a split point has none
         n.nbytes = tree_bytes(n.segment) + tree_bytes(n.logits)
         self._delete_disk(n)
         self.counters["from_disk"] += 1
@@ -393,12 +413,19 @@ class StateCache:
         self.counters["to_host"] += 1
 
     def _to_disk(self, n: _Node) -> None:
-        host = jax.device_get(n.segment), np.asarray(n.logits if n.logits is not None else np.zeros(0, np.float32))
+        """Write n's folder; on any failure no half-written folder stays and n is unchanged."""
+        # a split point has no logits: a one-value stand-in (orbax writes no empty array), dropped on reading
+        host = jax.device_get(n.segment), np.asarray(n.logits if n.logits is not None else np.zeros(1, np.float32))
         path = self.disk_dir / n.name
-        if path.exists():
-            shutil.rmtree(path)
-        Snapshot(host[0], n.ids(), host[1], self.model.fingerprint).save(path)
-        (path / "node.json").write_text(json.dumps({"start": n.parent.depth, "kind": n.kind, "used": n.used}))
+        try:
+            faults.check("snapshot_write")
+            if path.exists():
+                shutil.rmtree(path)
+            Snapshot(host[0], n.ids(), host[1], self.model.fingerprint).save(path)
+            (path / "node.json").write_text(json.dumps({"start": n.parent.depth, "kind": n.kind, "used": n.used}))
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         n.segment, n.logits, n.tier = None, None, "disk"
         self.counters["to_disk"] += 1
 
@@ -412,6 +439,12 @@ class StateCache:
         n.segment = n.logits = None
         self.counters["dropped"] += 1
 
+    def _forget(self, n: _Node) -> None:
+        """Drop n and every node below it (their segments continue n's)."""
+        for child in list(n.children):
+            self._forget(child)
+        self._drop(n)
+
     def _enforce(self) -> None:
         """Bring every tier within its budget, least recently used first."""
         for tier, lower in (("device", "host"), ("host", "disk"), ("disk", None)):
@@ -422,13 +455,21 @@ class StateCache:
             for n in nodes:
                 if total <= self.budget[tier]:
                     break
+                if n not in n.parent.children:  # forgotten above, with an ancestor
+                    continue
                 if lower is None and n.children:  # not a leaf: its descendants need it
                     continue
                 total -= n.nbytes
                 if lower == "host":
                     self._to_host(n)
                 elif lower == "disk":
-                    self._to_disk(n)
+                    try:
+                        self._to_disk(n)
+                    except Exception as e:  # the budget holds all the same: the node goes
+                        log.warning("state cache: node %s not written to disk (%s: %s); dropped", n.name,
+                                    type(e).__name__, e)
+                        self.counters["disk_errors"] += 1
+                        self._forget(n)
                 else:
                     self._drop(n)
         if self.memory is not None:
@@ -441,8 +482,12 @@ class StateCache:
         if self.disk_dir is None:
             return
         for n in sorted(self._nodes(), key=lambda n: n.depth):
-            if n.tier != "disk":
-                self._to_disk(n)
+            if n.tier != "disk" and n.parent is not None and (n.parent is self.root or n.parent.tier == "disk"):
+                try:
+                    self._to_disk(n)
+                except Exception as e:  # what is below it is useless on disk without it
+                    log.warning("state cache: node %s not persisted (%s: %s)", n.name, type(e).__name__, e)
+                    self.counters["disk_errors"] += 1
 
     def _load_disk(self) -> None:
         """Rebuild the tree from the disk folder: nodes of this model whose parent is there."""

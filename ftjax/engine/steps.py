@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ftjax import host
-from ftjax.engine.sampling import sample
+from ftjax.engine.sampling import apply_bias, sample
 from ftjax.experts.executor import Executor
 
 
@@ -54,12 +54,14 @@ class Steps:
         logits, state, xstate, codes = self._forward(params, state, xstate, pool, tokens, start, valid, logits_at)
         return (logits if all_logits else logits[:, 0]), state, xstate, codes
 
-    def _decode(self, params, state, xstate, pool, token, pos, active, keys, counters, temperature, top_k, top_p):
+    def _decode(self, params, state, xstate, pool, token, pos, active, keys, counters, temperature, top_k, top_p,
+                bias_ids, bias_values):
         """token [B] at positions pos [B] (rows with active [B] False are ignored) ->
-        next token [B], logits [B, V]. Row b samples with fold_in(keys[b], counters[b])."""
+        next token [B], logits [B, V] (before the bias). Row b samples with
+        fold_in(keys[b], counters[b]) from its logits + its bias (ids / values [B, K])."""
         valid = active[:, None]  # [B, 1]
         logits, state, xstate, codes = self._forward(params, state, xstate, pool, token[:, None], pos, valid, None)
         logits = logits[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, counters)
-        nxt = sample(logits, step_keys, temperature, top_k, top_p)
+        nxt = sample(apply_bias(logits, bias_ids, bias_values), step_keys, temperature, top_k, top_p)
         return nxt, logits, state, xstate, codes

@@ -43,6 +43,7 @@ class Telemetry:
     timing: Timing = field(default_factory=Timing)
     step: int = 0
     dropped: int = 0  # records that fell out of the ring
+    failed_steps: int = 0  # steps whose codes never came (the step failed)
     _pending: list = field(default_factory=list)
     _ring: collections.deque = field(default=None)
 
@@ -60,8 +61,14 @@ class Telemetry:
     def fold(self) -> None:
         if not self._pending:
             return
-        host = jax.device_get([c for _, _, c in self._pending])
+        try:
+            host = jax.device_get([c for _, _, c in self._pending])
+        except Exception:  # a failed step's codes carry its error: fold the others, drop those
+            host = [_readable(c) for _, _, c in self._pending]
         for (phase, step, _), codes in zip(self._pending, host):
+            if codes is None:
+                self.failed_steps += 1
+                continue
             codes = np.asarray(codes)
             self.counts += np.bincount(codes.ravel().astype(np.int64), minlength=5)[:5]
             if self.keep_records != 0:
@@ -85,4 +92,11 @@ class Telemetry:
         self._ring.clear()
         self.counts = np.zeros(5, np.int64)
         self.timing = Timing()
-        self.step = self.dropped = 0
+        self.step = self.dropped = self.failed_steps = 0
+
+
+def _readable(codes: jax.Array) -> np.ndarray | None:
+    try:
+        return np.asarray(codes)
+    except Exception:
+        return None

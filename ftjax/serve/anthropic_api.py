@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from ftjax.serve.core import (ChatRequest, Delta, Done, Engine, Generation, ServeError, ToolCall, check_tools, collect,
-                              new_id)
+                              done_error)
 from ftjax.serve.schemas import Open, parse, refuse_unknown, sampling, stops
 
 IGNORED = {"metadata", "service_tier", "cache_control", "container", "context_management", "diagnostics",
@@ -169,9 +169,14 @@ def messages_request(body, engine: Engine) -> tuple[MessagesRequest, ChatRequest
     return r, _request(r, engine, r.max_tokens)
 
 
-def count_tokens(body, engine: Engine) -> dict:
+async def count_tokens(body, engine: Engine) -> dict:
     r = parse(CountTokensRequest, body)
-    return {"input_tokens": engine.count(_request(r, engine, engine.context))}
+    return {"input_tokens": await engine.count(_request(r, engine, engine.context))}
+
+
+def error_json(e: ServeError) -> dict:
+    """Anthropic's error object: {"type": "error", "error": {type, message}}."""
+    return {"type": "error", "error": {"type": e.kind, "message": e.message}}
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -208,7 +213,7 @@ async def response(engine: Engine, gen: Generation, disconnected) -> dict:
     if out.text or not (content or out.tool_calls):
         content.append({"type": "text", "text": out.text})
     content += [_tool_use(c) for c in out.tool_calls]
-    return _message(engine, "msg_" + new_id(), content, out.done, gen.prompt_tokens)
+    return _message(engine, "msg_" + gen.id, content, out.done, gen.prompt_tokens)
 
 
 def _event(kind: str, data: dict) -> str:
@@ -247,7 +252,7 @@ class _Blocks:
 
 
 async def stream(engine: Engine, gen: Generation, keepalive_s: float):
-    mid, blocks = "msg_" + new_id(), _Blocks()
+    mid, blocks = "msg_" + gen.id, _Blocks()
     try:
         yield _event("message_start", {"message": _message(engine, mid, [], None, gen.prompt_tokens)})
         async for e in gen.events(keepalive_s):
@@ -259,8 +264,8 @@ async def stream(engine: Engine, gen: Generation, keepalive_s: float):
             elif isinstance(e, ToolCall):
                 for s in blocks.tool(e):
                     yield s
-            elif e.reason.startswith("error"):
-                yield _event("error", {"error": {"type": "api_error", "message": f"generation failed: {e.reason}"}})
+            elif done_error(e) is not None:
+                yield _event("error", error_json(done_error(e)))
             else:
                 for s in blocks.close():
                     yield s

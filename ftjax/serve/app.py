@@ -1,6 +1,8 @@
 """The ASGI app of `ftjax serve` (FastAPI on uvicorn): routes, body limits, error shapes.
 
-    GET  /health                      liveness + the model id
+    GET  /health                      200 {"status": "ok"}; 503 while "draining" or
+                                      "degraded" (with the reason)
+    GET  /metrics                     Prometheus text format (serve/metrics.py)
     GET  /v1/models                   OpenAI model list (with the context length)
     GET  /v1/stats                    expert-cache telemetry, sessions and queue, memory
     POST /v1/chat/completions         OpenAI chat (JSON or SSE)        openai_api.py
@@ -10,8 +12,15 @@
 
 Bodies are read here with a size limit (413 beyond it) and decoded as JSON (400 when
 malformed) before an adapter sees them. Every refusal is a `ServeError` rendered in the
-error shape of the API its path belongs to; anything unexpected becomes a 500 in the
-same shape, and the server keeps serving.
+error shape of the API its path belongs to — a full queue is 429 `rate_limit_error`
+(OpenAI) or 529 `overloaded_error` (Anthropic), with Retry-After — and anything
+unexpected becomes a 500 in the same shape, logged with its traceback, and the server
+keeps serving. A request may shorten its deadline with `X-Request-Timeout: SECONDS`
+(never beyond the server's `--request-timeout-s`).
+
+Shutdown (SIGTERM or Ctrl-C): the server stops admitting at once (503), gives what is
+queued or running `--drain-s` seconds to finish, then ends the rest with an error, so
+every client gets an answer and the process exits; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -19,26 +28,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
 import sys
+import threading
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ftjax.serve import anthropic_api, openai_api
-from ftjax.serve.core import Engine, ServeError
+from ftjax.serve.core import DEFAULT_DRAIN_S, DEFAULT_REQUEST_TIMEOUT_S, Engine, ServeError
+from ftjax.serve.metrics import Metrics
 
+log = logging.getLogger("ftjax.serve")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_body(path: str, e: ServeError) -> dict:
-    """The error JSON of the API that `path` belongs to."""
-    if path.startswith("/v1/messages"):
-        return {"type": "error", "error": {"type": e.kind, "message": e.message}}
-    code = {"not_found_error": "model_not_found", "request_too_large": "request_too_large"}.get(e.kind)
-    kind = e.kind if e.kind in ("invalid_request_error", "api_error") else "invalid_request_error"
-    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
+def anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(path: str, e: ServeError) -> JSONResponse:
+    """The error JSON and status of the API that `path` belongs to."""
+    status = e.status
+    if anthropic_path(path):
+        body = anthropic_api.error_json(e)
+        if e.kind == "overloaded_error" and status == 429:
+            status = 529  # Anthropic's "overloaded"
+    else:
+        body = openai_api.error_json(e)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def request_timeout(request: Request) -> float | None:
+    """X-Request-Timeout: seconds (a positive number), or None."""
+    value = request.headers.get("x-request-timeout")
+    if value is None:
+        return None
+    try:
+        t = float(value)
+    except ValueError:
+        t = math.nan
+    if not (math.isfinite(t) and t > 0):
+        raise ServeError(f"X-Request-Timeout must be a positive number of seconds, got {value!r}",
+                         param="X-Request-Timeout")
+    return t
 
 
 async def read_json(request: Request, limit: int):
@@ -64,6 +101,8 @@ def _sse(events) -> StreamingResponse:
 
 
 def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 5.0) -> FastAPI:
+    metrics = Metrics(engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -73,23 +112,31 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
 
     @app.exception_handler(ServeError)
     async def refused(request: Request, e: ServeError):
-        return JSONResponse(error_body(request.url.path, e), status_code=e.status)
+        metrics.refused(e)
+        return error_response(request.url.path, e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         err = ServeError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code, kind=kind)
-        return JSONResponse(error_body(request.url.path, err), status_code=e.status_code)
+        return error_response(request.url.path, err)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception):
-        print(f"ftjax serve: {request.url.path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        log.error("%s %s: internal error", request.method, request.url.path, exc_info=e)
         err = ServeError(f"internal error: {type(e).__name__}: {e}", status=500, kind="api_error")
-        return JSONResponse(error_body(request.url.path, err), status_code=500)
+        metrics.refused(err)
+        return error_response(request.url.path, err)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_id}
+        h = engine.health()
+        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -99,9 +146,15 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
     async def stats():
         return await asyncio.to_thread(engine.stats)
 
+    async def start(request: Request, req):
+        req.timeout_s = request_timeout(request)
+        gen = await engine.generate(req)
+        metrics.started(gen)
+        return gen
+
     async def openai_route(request: Request, to_request, respond, chat: bool):
         r, req = to_request(await read_json(request, max_body_bytes), engine)
-        gen = engine.generate(req)
+        gen = await start(request, req)
         if r.stream:
             usage = bool(r.stream_options and r.stream_options.include_usage)
             return _sse(openai_api.stream(engine, gen, usage, keepalive_s, chat=chat))
@@ -118,26 +171,28 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
     @app.post("/v1/messages")
     async def messages(request: Request):
         r, req = anthropic_api.messages_request(await read_json(request, max_body_bytes), engine)
-        gen = engine.generate(req)
+        gen = await start(request, req)
         if r.stream:
             return _sse(anthropic_api.stream(engine, gen, keepalive_s))
         return await anthropic_api.response(engine, gen, request.is_disconnected)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        return anthropic_api.count_tokens(await read_json(request, max_body_bytes), engine)
+        return await anthropic_api.count_tokens(await read_json(request, max_body_bytes), engine)
 
     return app
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftjax-default", max_batch: int = 4,
           prefill_chunk: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 5.0,
-          warmup: bool = False, state_cache=None) -> None:
-    """Run the server until interrupted; `warmup` compiles the engine's programs first.
+          warmup: bool = False, state_cache=None, max_queue: int = 64,
+          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, drain_s: float = DEFAULT_DRAIN_S) -> None:
+    """Run the server until SIGTERM / Ctrl-C; `warmup` compiles the engine's programs first.
     state_cache: an `engine.state_cache.StateCache` or None (off)."""
     import uvicorn
 
-    engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache, max_queue, request_timeout_s)
     if warmup:
         print(f"ftjax serve: compiled the engine's programs in {engine.scheduler.warmup():.1f} s", file=sys.stderr,
               flush=True)
@@ -145,7 +200,16 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftj
     cache = f"state cache {state_cache.mode}" if state_cache is not None else "no state cache"
     print(f"ftjax serve: {model_id} (context {engine.context}, max batch {max_batch}, {cache}) on http://{host}:{port} "
           f"- OpenAI: {host}:{port}/v1, Anthropic: {host}:{port}", file=sys.stderr, flush=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # first signal: drain (off the signal handler: it takes locks)
+            if not self.should_exit:
+                threading.Thread(target=engine.shutdown, args=(drain_s,), daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(engine, max_body_bytes, keepalive_s), host=host, port=port,
+                            log_level="warning", timeout_graceful_shutdown=int(math.ceil(drain_s)) + 5)
     try:
-        uvicorn.run(create_app(engine, max_body_bytes, keepalive_s), host=host, port=port, log_level="warning")
+        Server(config).run()
     finally:
         engine.close()

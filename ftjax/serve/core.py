@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import time
@@ -41,8 +42,13 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from ftjax.engine.scheduler import Job, Scheduler
+from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, Job, NotAccepting, QueueFull, Scheduler
 from ftjax.engine.session import Sampling
+
+log = logging.getLogger("ftjax.serve")
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+DEFAULT_DRAIN_S = 30.0
+RETRY_AFTER_S = 1
 
 TAGS = {"<think>": "think_open", "</think>": "think_close", "<tool_call>": "call_open", "</tool_call>": "call_close"}
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -51,9 +57,11 @@ TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 class ServeError(Exception):
     """A request the server refuses: HTTP status + a message naming the problem."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.message, self.status, self.kind, self.param = message, status, kind, param
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 # ---- the neutral request and events ------------------------------------------------------
@@ -61,7 +69,7 @@ class ServeError(Exception):
 @dataclass
 class ChatRequest:
     messages: list[dict] | None  # template messages; None for a raw prompt
-    max_tokens: int
+    max_tokens: int | None  # None: up to the end of the context (grown as it goes, not reserved)
     sampling: Sampling
     stop: list[str] = field(default_factory=list)
     tools: list[dict] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
@@ -69,6 +77,8 @@ class ChatRequest:
     prompt: str | None = None  # raw text prompt (completions): no template, no parsing
     think: bool = False  # open the reply with <think> (reasoning forced on)
     think_budget: int | None = None  # reasoning tokens after which </think> is forced
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    timeout_s: float | None = None  # this request's deadline (at most the server's)
 
 
 @dataclass
@@ -86,7 +96,7 @@ class ToolCall:
 
 @dataclass
 class Done:
-    reason: str  # eos | stop | length | context | cancelled | error: ...
+    reason: str  # eos | stop | length | context | cancelled | timeout | error: ...
     prompt_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None
@@ -223,14 +233,17 @@ class Generation:
     """Bridges a scheduler Job (engine thread) to an asyncio consumer."""
 
     def __init__(self, engine: Engine, ids: np.ndarray, req: ChatRequest, forced: list[int], banned: frozenset,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, max_tokens: int):
         self.engine, self.loop, self.prompt_tokens = engine, loop, int(ids.size)
+        self.id = new_id()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.parser = OutputParser(engine.tokenizer, req.stop, structured=req.messages is not None)
         self.stop_sequence = None
         self.think_budget, self.think_tokens = req.think_budget, 0
         self.t_start, self.t_first = time.perf_counter(), None
-        self.job = Job(ids, req.max_tokens, req.sampling, self._on_token, self._on_done, forced, banned)
+        timeout = min(req.timeout_s or engine.request_timeout_s, engine.request_timeout_s)
+        self.job = Job(ids, max_tokens, req.sampling, self._on_token, self._on_done, forced, banned,
+                       logit_bias=req.logit_bias, deadline=time.monotonic() + timeout, id=self.id)
 
     def _put(self, events: list) -> None:
         if events:
@@ -257,7 +270,7 @@ class Generation:
         return [self.engine.tokenizer.added_token_ids["</think>"]]
 
     def _on_done(self, reason: str) -> None:
-        events = self.parser.finish() if not reason.startswith("error") else []
+        events = self.parser.finish() if not reason.startswith(("error", "timeout")) else []
         self._put(events + [Done(reason, self.prompt_tokens, self.job.new_tokens, self.stop_sequence,
                                  self.job.cached_tokens)])
 
@@ -304,35 +317,76 @@ async def collect(gen: Generation, disconnected, poll_s: float = 0.25) -> Result
     finally:
         if out.done is None:
             gen.cancel()
-    if out.done.reason.startswith("error"):
-        raise ServeError(f"generation failed: {out.done.reason}", status=500, kind="api_error")
+    failure = done_error(out.done)
+    if failure is not None:
+        raise failure
     return out
+
+
+def done_error(done: Done) -> ServeError | None:
+    """The error a request that ended this way answers with (None: it succeeded)."""
+    if done.reason == "timeout":
+        return ServeError("the request did not finish before its deadline (--request-timeout-s)", status=504,
+                          kind="timeout_error")
+    if done.reason.startswith("error"):
+        return ServeError(f"generation failed: {done.reason[len('error: '):]}", status=500, kind="api_error")
+    return None
 
 
 # ---- the engine: model + scheduler thread ------------------------------------------------------
 
 class Engine:
-    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None):
+    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
+                 max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
-        whole); the engine owns it from here (its thread uses it; `close` persists it)."""
+        whole); the engine owns it from here (its thread uses it; `close` persists it).
+        max_queue: requests waiting beyond the running batch (more get 429 / 529);
+        request_timeout_s: the longest any request may take, queue included."""
         if model.tokenizer is None:
             raise ValueError("ftjax serve needs a model folder with tokenizer.json")
+        if not (isinstance(request_timeout_s, (int, float)) and 0 < request_timeout_s < float("inf")):
+            raise ValueError(f"request_timeout_s must be a positive number of seconds, got {request_timeout_s!r}")
         self.model, self.model_id, self.tokenizer = model, model_id, model.tokenizer
         self.state_cache = state_cache
-        self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache)
+        self.request_timeout_s = float(request_timeout_s)
+        self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache, max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="ftjax-engine",
                                         daemon=True)
+        self._drain_timer: threading.Timer | None = None
         self.started_at = time.time()
 
     def start(self) -> None:
         self._thread.start()
 
+    def health(self) -> dict:
+        sch = self.scheduler
+        status = "degraded" if sch.degraded else "draining" if not sch.accepting else "ok"
+        return {"status": status, "model": self.model_id, **({"reason": sch.degraded} if sch.degraded else {})}
+
+    def shutdown(self, drain_s: float = DEFAULT_DRAIN_S) -> None:
+        """Stop admitting (new requests get 503); what is queued or running may finish
+        for `drain_s` seconds, then every request still pending ends with an error."""
+        if self._drain_timer is not None:
+            return
+        self.scheduler.drain()
+        log.info("shutting down: %d request(s) pending, %.0f s to finish", self.scheduler.pending(), drain_s)
+        reason = f"error: ServerShutdown: the server shut down before the request finished (drain of {drain_s:g} s)"
+        self._drain_timer = threading.Timer(drain_s, self.scheduler.fail_pending, args=(reason,))
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
     def close(self) -> None:
-        """Stop the engine thread, then persist the state cache (once; idempotent)."""
+        """End what is pending, stop the engine thread, then persist the state cache (once;
+        idempotent)."""
+        self.scheduler.drain()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        if not self._thread.is_alive():
+            self.scheduler.fail_pending("error: ServerShutdown: the server stopped before the request finished")
         if self.state_cache is not None and not self._thread.is_alive():
             cache, self.state_cache = self.state_cache, None
             cache.close()  # the disk tier (if any) keeps the sessions for the next start
@@ -375,12 +429,19 @@ class Engine:
         name = choice["name"] if isinstance(choice, dict) else req.tools[0]["function"]["name"]
         return [call] + self.tokenizer.encode(f'\n{{"name": {json.dumps(name)}, "arguments": '), frozenset()
 
-    def prepare(self, req: ChatRequest) -> tuple[np.ndarray, list[int], frozenset]:
-        if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+    def prepare(self, req: ChatRequest) -> tuple[np.ndarray, list[int], frozenset, int]:
+        """-> (prompt ids, forced tokens, banned tokens, max new tokens). Renders the
+        template: call it off the event loop."""
+        if req.max_tokens is not None and (not isinstance(req.max_tokens, int) or req.max_tokens < 1):
             raise ServeError(f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
-        if req.max_tokens > self.context:
+        if req.max_tokens is not None and req.max_tokens > self.context:
             raise ServeError(f"max_tokens {req.max_tokens} is above the context of {self.context} tokens",
                              param="max_tokens")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in req.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ServeError(f"logit_bias: token id {bad[0]} is not in this model's vocabulary (0..{vocab - 1})",
+                             param="logit_bias")
         ids = self.render(req)
         if not ids:
             raise ServeError("the prompt is empty", param="prompt")
@@ -388,23 +449,35 @@ class Engine:
             raise ServeError(f"prompt of {len(ids)} tokens does not fit the context of {self.context} tokens "
                              f"(leave room for at least one new token)", param="messages")
         forced, banned = self._controls(req)
+        max_tokens = req.max_tokens or self.context - len(ids)
         memory = self.model.memory
         if memory is not None:  # a request that cannot fit even alone, with no expert cached, is refused here
-            need = memory.state_bytes(self.scheduler._capacity(len(ids) + req.max_tokens))
+            asked = len(ids) + (req.max_tokens or 1)  # an explicit max_tokens must fit; the default grows
+            need = memory.state_bytes(self.scheduler._capacity(asked))
             if need > memory.room_alone():
-                raise ServeError(f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} needs a state of "
+                raise ServeError(f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens or 1} needs a state of "
                                  f"{need / 2**20:.1f} MiB, more than the device memory budget leaves "
                                  f"({memory.room_alone() / 2**20:.1f} MiB after weights and prefill scratch)",
                                  param="max_tokens")
-        return self.model.check_ids(ids), forced, banned
+        return self.model.check_ids(ids), forced, banned, max_tokens
 
-    def count(self, req: ChatRequest) -> int:
-        return len(self.render(req))
+    async def count(self, req: ChatRequest) -> int:
+        return len(await asyncio.to_thread(self.render, req))
 
-    def generate(self, req: ChatRequest) -> Generation:
-        ids, forced, banned = self.prepare(req)
-        gen = Generation(self, ids, req, forced, banned, asyncio.get_running_loop())
-        self.scheduler.submit(gen.job)
+    async def generate(self, req: ChatRequest) -> Generation:
+        """Render and check the request (off the event loop), queue it -> its Generation.
+        Refusals: ServeError 4xx for the request's fault, 429 / 529 when the queue is full,
+        503 while the engine is shutting down or degraded."""
+        ids, forced, banned, max_tokens = await asyncio.to_thread(self.prepare, req)
+        gen = Generation(self, ids, req, forced, banned, asyncio.get_running_loop(), max_tokens)
+        try:
+            self.scheduler.submit(gen.job)
+        except QueueFull as e:
+            raise ServeError(f"overloaded: {e}; retry after {RETRY_AFTER_S} s", status=429, kind="overloaded_error",
+                             retry_after=RETRY_AFTER_S) from None
+        except NotAccepting as e:
+            raise ServeError(f"unavailable: {e}", status=503, kind="overloaded_error",
+                             retry_after=RETRY_AFTER_S) from None
         return gen
 
     def stats(self) -> dict:

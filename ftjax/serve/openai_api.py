@@ -16,8 +16,8 @@ from typing import Literal
 from pydantic import Field
 
 from ftjax.serve.core import (ChatRequest, Delta, Done, Engine, Generation, ServeError, ToolCall, check_tools, collect,
-                              new_id)
-from ftjax.serve.schemas import Open, Strict, parse, refuse_unknown, refuse_values, sampling, stops
+                              done_error)
+from ftjax.serve.schemas import Open, Strict, logit_bias, parse, refuse_unknown, refuse_values, sampling, stops
 
 IGNORED = {"user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
            "safety_identifier", "top_logprobs", "reasoning_effort", "modalities", "verbosity"}
@@ -108,8 +108,17 @@ class CompletionRequest(Common):
 
 def _check_common(r: Common) -> None:
     refuse_unknown(r, IGNORED)
-    refuse_values(n=(r.n, 1), presence_penalty=(r.presence_penalty, 0), frequency_penalty=(r.frequency_penalty, 0),
-                  logit_bias=(r.logit_bias or None, None))
+    refuse_values(n=(r.n, 1), presence_penalty=(r.presence_penalty, 0), frequency_penalty=(r.frequency_penalty, 0))
+
+
+def error_json(e: ServeError) -> dict:
+    """OpenAI's error object: {"error": {message, type, param, code}}."""
+    kind = {"overloaded_error": "rate_limit_error" if e.status == 429 else "server_error",
+            "not_found_error": "invalid_request_error", "request_too_large": "invalid_request_error"}.get(e.kind, e.kind)
+    code = {"not_found_error": "model_not_found", "request_too_large": "request_too_large",
+            "overloaded_error": "rate_limit_exceeded" if e.status == 429 else "unavailable",
+            "timeout_error": "timeout"}.get(e.kind)
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
 
 
 def _content(m: Message) -> str:
@@ -139,10 +148,9 @@ def chat_request(body, engine: Engine) -> tuple[ChatCompletionRequest, ChatReque
         choice = {"name": choice.function.name}
     check_tools(tools, choice)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-    req = ChatRequest(messages=[_message(m) for m in r.messages],
-                      max_tokens=engine.context if max_tokens is None else max_tokens,
+    req = ChatRequest(messages=[_message(m) for m in r.messages], max_tokens=max_tokens,
                       sampling=sampling(r.temperature, r.top_p, None, r.seed, 2.0), stop=stops(r.stop, "stop"),
-                      tools=tools, tool_choice=choice)
+                      tools=tools, tool_choice=choice, logit_bias=logit_bias(r.logit_bias))
     return r, req
 
 
@@ -157,7 +165,8 @@ def completion_request(body, engine: Engine) -> tuple[CompletionRequest, ChatReq
         raise ServeError(f"unsupported option: prompt as a list of {len(prompts)} prompts (send one per request)",
                          param="prompt")
     req = ChatRequest(messages=None, prompt=prompts[0], max_tokens=16 if r.max_tokens is None else r.max_tokens,
-                      sampling=sampling(r.temperature, r.top_p, None, r.seed, 2.0), stop=stops(r.stop, "stop"))
+                      sampling=sampling(r.temperature, r.top_p, None, r.seed, 2.0), stop=stops(r.stop, "stop"),
+                      logit_bias=logit_bias(r.logit_bias))
     return r, req
 
 
@@ -190,14 +199,14 @@ async def chat_response(engine: Engine, gen: Generation, disconnected) -> dict:
     if out.tool_calls:
         message["tool_calls"] = [_tool_call(c) for c in out.tool_calls]
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(out.done, bool(out.tool_calls))}
-    return {**_head("chat.completion", "chatcmpl-" + new_id(), engine.model_id), "choices": [choice],
+    return {**_head("chat.completion", "chatcmpl-" + gen.id, engine.model_id), "choices": [choice],
             "usage": usage(out.done)}
 
 
 async def completion_response(engine: Engine, gen: Generation, disconnected) -> dict:
     out = await collect(gen, disconnected)
     choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out.done, False)}
-    return {**_head("text_completion", "cmpl-" + new_id(), engine.model_id), "choices": [choice],
+    return {**_head("text_completion", "cmpl-" + gen.id, engine.model_id), "choices": [choice],
             "usage": usage(out.done)}
 
 
@@ -207,7 +216,7 @@ def _data(obj) -> str:
 
 async def stream(engine: Engine, gen: Generation, include_usage: bool, keepalive_s: float, chat: bool):
     """SSE chunks of a chat completion (chat=True) or a text completion."""
-    head = _head("chat.completion.chunk" if chat else "text_completion", ("chatcmpl-" if chat else "cmpl-") + new_id(),
+    head = _head("chat.completion.chunk" if chat else "text_completion", ("chatcmpl-" if chat else "cmpl-") + gen.id,
                  engine.model_id)
 
     def chunk(delta: dict | None = None, finish: str | None = None, text: str | None = None) -> str:
@@ -228,9 +237,8 @@ async def stream(engine: Engine, gen: Generation, include_usage: bool, keepalive
             elif isinstance(e, ToolCall):
                 yield chunk({"tool_calls": [_tool_call(e, calls)]})
                 calls += 1
-            elif e.reason.startswith("error"):
-                yield _data({"error": {"message": f"generation failed: {e.reason}", "type": "api_error",
-                                       "param": None, "code": None}})
+            elif done_error(e) is not None:
+                yield _data(error_json(done_error(e)))
             else:
                 yield chunk(finish=_finish(e, calls > 0))
                 if include_usage:
