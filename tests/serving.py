@@ -29,10 +29,10 @@ def healthy(port: int) -> bool:
 
 
 @contextmanager
-def server(*args: str, timeout_s: float = 120):
+def server(*args: str, timeout_s: float = 120, env: dict | None = None):
     """Run `ftjax serve --port P *args` until the block ends -> P."""
     port = free_port()
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    env = {**(env or os.environ), "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "ftjax.cli", "serve", "--port", str(port), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).parents[1])

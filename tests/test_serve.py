@@ -272,6 +272,18 @@ BAD = [
     ("/v1/messages", {**GOOD_MSG, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, "image"),
     ("/v1/messages", {**GOOD_MSG, "output_config": {"format": {"type": "json_schema"}}}, 400, "output_config"),
     ("/v1/messages/count_tokens", {"model": MODEL, "messages": []}, 400, "messages"),
+    # values that would fail later, inside a step, are refused at the door by name
+    ("/v1/chat/completions", {**GOOD_CHAT, "seed": 2**64}, 400, "seed"),
+    ("/v1/chat/completions", b'{"model": "ftjax-default", "messages": [{"role": "user", "content": "Hi"}], '
+                             b'"temperature": NaN}', 400, "temperature"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "stop": ["a"] * 17}, 400, "at most 16"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "stop": "x" * 300}, 400, "at most 256"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "logit_bias": {"99999": 1}}, 400, "vocabulary"),
+    ("/v1/messages", {**GOOD_MSG, "top_k": 2**40}, 400, "top_k"),
+    ("/v1/messages", {**GOOD_MSG, "top_p": 0}, 400, "top_p"),
+    ("/v1/messages", {**GOOD_MSG, "stop_sequences": [""]}, 400, "stop_sequences"),
 ]
 
 
@@ -286,6 +298,37 @@ def test_bad_request_named_and_server_keeps_serving(server, path, body, status, 
     good = GOOD_MSG if path.startswith("/v1/messages") else GOOD_CHAT
     assert _raw(server, "POST", "/v1/messages" if path.startswith("/v1/messages") else "/v1/chat/completions",
                 good)[0] == 200
+
+
+def test_logit_bias_bans_and_forces_inside_the_sampler(oai, model):
+    """-100 bans a token (greedy takes the next best, and the rest follows from it), +100
+    forces one at every step; sampled rows never draw a banned token."""
+    ids, want = _reference(model, _user(ASK_STYLE), 4)
+    first = want[0]
+    ask = {"model": MODEL, "messages": _user(ASK_STYLE), "max_tokens": 4}
+    logits = model.logits(ids)[-1].copy()
+    logits[first] = -float("inf")
+    alt = int(logits.argmax())
+    expected = model.tokenizer.decode([alt] + model.generate(ids + [alt], 3)).strip()
+    banned = oai.chat.completions.create(**ask, **GREEDY, logit_bias={str(first): -100})
+    assert banned.choices[0].message.content == expected
+    forced = model.tokenizer.encode(" Darcy")[0]
+    r = oai.chat.completions.create(**ask, **GREEDY, logit_bias={str(forced): 100})
+    assert r.choices[0].message.content.replace(" ", "") == model.tokenizer.decode([forced]).strip() * 4
+    for seed in range(3):  # sampled: the banned token is never drawn
+        r = oai.chat.completions.create(**ask, temperature=1.0, seed=seed, logit_bias={str(first): -100})
+        assert not r.choices[0].message.content.startswith(model.tokenizer.decode([first]).strip())
+
+
+def test_request_timeout_header(server):
+    code, err = _raw(server, "POST", "/v1/chat/completions", GOOD_CHAT, {"X-Request-Timeout": "soon"})
+    assert code == 400 and "X-Request-Timeout" in err["error"]["message"]
+    code, err = _raw(server, "POST", "/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 1500},
+                     {"X-Request-Timeout": "0.3"})
+    assert code == 504 and "deadline" in err["error"]["message"] and err["error"]["type"] == "timeout_error"
+    code, err = _raw(server, "POST", "/v1/messages", {**GOOD_MSG, "max_tokens": 1500}, {"X-Request-Timeout": "0.3"})
+    assert code == 504 and err["error"]["type"] == "timeout_error"
+    assert _raw(server, "POST", "/v1/chat/completions", GOOD_CHAT)[0] == 200
 
 
 def test_serve_options_are_checked_before_loading(capsys):
