@@ -43,6 +43,12 @@ class ConfigError(ValueError):
     """A config.json that ftjax cannot run, with the reason and the file."""
 
 
+
+# The layer kinds a config may name (`ModelConfig.layer_kinds`); `models.layers` registers
+# one class under each (and refuses a name not listed here).
+LAYER_KINDS = ("attention", "sliding_attention", "gated_attention", "gated_deltanet", "mla", "mla_dsa",
+               "mla_dsa_shared", "dsv4_sliding", "dsv4_hca", "dsv4_csa")
+
 @dataclasses.dataclass(frozen=True)
 class DeltaNetConfig:
     """Sizes of the Gated DeltaNet (linear attention) layers of hybrid models
@@ -153,7 +159,7 @@ class ModelConfig:
     max_position: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    layer_kinds: tuple[str, ...] = ()  # per layer: a key of models.layers.LAYER_KINDS; () = all "attention"
+    layer_kinds: tuple[str, ...] = ()  # per layer: one of LAYER_KINDS; () = all "attention"
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 for zero-centred norms (Qwen3-Next)
     rotary_dim: int = 0  # leading dims of each head RoPE rotates (partial rotary); 0 = head_dim
     deltanet: DeltaNetConfig | None = None  # linear-attention sizes of gated_deltanet layers
@@ -318,8 +324,6 @@ def validate(cfg: ModelConfig) -> ModelConfig:
         bad("bos_token_id", "must be null or a non-negative token id")
     if not all(token(t) for t in cfg.eos_token_ids):
         bad("eos_token_ids", "(eos_token_id) must be non-negative token ids")
-    from ftjax.models.layers import LAYER_KINDS  # the registry imports this module
-
     if cfg.layer_kinds and (len(cfg.layer_kinds) != cfg.num_layers or not set(cfg.layer_kinds) <= set(LAYER_KINDS)):
         bad("layer_kinds", f"must be {cfg.num_layers} names from {sorted(LAYER_KINDS)}")
     if isinstance(cfg.rotary_dim, bool) or not isinstance(cfg.rotary_dim, int) or not (

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.engine.shapes import bucket
 from ftjax.experts.executor import active_slots, set_active_slots
 
 if TYPE_CHECKING:
@@ -66,8 +67,6 @@ def prefill_scratch_bytes(model: Model, tokens: int) -> int:
     """XLA's temp-buffer bytes for prefilling a `tokens`-token chunk into a state of the
     model's full context (AOT-compiled once; measured, not estimated), plus the double
     buffer of one streamed layer's experts when prompts of that length stream."""
-    from ftjax.engine.session import bucket
-
     T = min(bucket(tokens), model.max_seq_len)
     state = jax.eval_shape(lambda: model.new_state(1, model.max_seq_len))
     i32 = jax.ShapeDtypeStruct((1,), jnp.int32)

@@ -64,7 +64,8 @@ import numpy as np
 
 from ftjax.engine.memory import DeviceMemoryError, tree_bytes
 from ftjax.engine.sampling import bias_arrays
-from ftjax.engine.session import MIN_CAPACITY, Sampling, _first_tokens, bucket
+from ftjax.engine.session import Sampling, _first_tokens
+from ftjax.engine.shapes import MIN_CAPACITY, bucket
 from ftjax.models.common import resize_state
 
 if TYPE_CHECKING:

@@ -40,6 +40,7 @@ import numpy as np
 
 from ftjax.engine.memory import tree_bytes
 from ftjax.engine.sampling import apply_bias, bias_arrays, sample
+from ftjax.engine.shapes import MIN_CAPACITY, MIN_PROMPT_BUCKET, bucket  # noqa: F401 (re-exported)
 from ftjax.engine.stops import StopMatcher, check_stops
 from ftjax.engine.telemetry import Timing
 from ftjax.models.common import resize_state
@@ -47,14 +48,7 @@ from ftjax.models.common import resize_state
 if TYPE_CHECKING:
     from ftjax.model import Model
 
-MIN_PROMPT_BUCKET = 16
-MIN_CAPACITY = 128
 SNAPSHOT_FORMAT = 1
-
-
-def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
-    """Smallest power of two >= n (and >= minimum): one compile serves a range of lengths."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 @jax.jit

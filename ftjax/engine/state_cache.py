@@ -61,7 +61,8 @@ import numpy as np
 
 from ftjax.engine import faults
 from ftjax.engine.memory import DeviceMemoryError, tree_bytes
-from ftjax.engine.session import MIN_CAPACITY, Snapshot, bucket
+from ftjax.engine.session import Snapshot
+from ftjax.engine.shapes import MIN_CAPACITY, bucket
 from ftjax.models.common import put_segment, take_segment
 from ftjax.models.layers import kind_class
 

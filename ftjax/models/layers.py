@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ftjax import host
+from ftjax import config, host
 from ftjax.config import ModelConfig
 from ftjax.models.ops import RMSNorm, Step, apply_rope, linear, linear_param, param
 
@@ -54,7 +54,10 @@ LAYER_KINDS: dict[str, type] = {}
 
 
 def layer_kind(name: str):
-    """Class decorator: register a layer kind under `name`."""
+    """Class decorator: register a layer kind under `name` (one of config.LAYER_KINDS)."""
+    if name not in config.LAYER_KINDS:
+        raise ValueError(f"layer kind {name!r} is not among ftjax.config.LAYER_KINDS: add it there")
+
     def register(cls):
         LAYER_KINDS[name] = cls
         cls.kind = name
