@@ -55,6 +55,8 @@ def _add_agent_parser(sub) -> None:
     a.add_argument("--no-warmup", action="store_true", help="start serve without --warmup (compiles during replay)")
     a.add_argument("--device-memory-gb", type=float, default=None,
                    help="serve's device memory budget (GiB); /v1/stats then reports the memory split plotted")
+    a.add_argument("--history", choices=["rewritten", "append"], default="rewritten",
+                   help="send the transcripts with the history rewrites agents do, or append-only")
     a.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to serve as it is (repeatable; e.g. --serve-arg=--policy --serve-arg=host)")
 
@@ -73,7 +75,7 @@ def _main_agent(args) -> int:
           if v is not None}
     kw.update(modes=tuple(dict.fromkeys(args.modes)), workloads=tuple(dict.fromkeys(args.workloads)),
               model=args.model, port=args.port, timeout_s=args.timeout_s, warmup=not args.no_warmup,
-              device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg))
+              device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg), history=args.history)
     settings = AgentSettings.quick(**kw) if args.quick else AgentSettings(**kw)
     summary = run_agent(args.out, settings)
     print(json.dumps(summary, separators=(",", ":"), default=str), flush=True)

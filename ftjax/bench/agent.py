@@ -84,6 +84,7 @@ class AgentSettings:
     device_memory_gb: float | None = None  # serve --device-memory-gb (a budget: /v1/stats then has memory_split)
     serve_args: tuple[str, ...] = ()  # more serve options, as they are (e.g. --policy host --max-seq-len 8192)
     stats_interval_s: float = 0.5
+    history: str = "rewritten"  # "rewritten" (as agent frameworks send it) | "append" (never rewritten)
 
     @classmethod
     def quick(cls, **kw) -> "AgentSettings":
@@ -325,6 +326,7 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         poller.start()
         for name in s.workloads:
             w = transcripts.build(name, s.scale)
+            w = w.append_only() if s.history == "append" else w
             poller.workload = name
             requests = w.requests()[: s.turns]
             for i, messages in enumerate(requests):

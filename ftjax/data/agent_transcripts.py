@@ -36,6 +36,7 @@ Messages API (system, tool_use / tool_result blocks). `scale` multiplies the lon
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class Workload:
     system: str
     tools: list[dict]  # OpenAI function tools
     steps: list[Step] = field(default_factory=list)
-    reasoning: str = "latest"  # rewrite (a): "latest" | "none"
+    reasoning: str = "latest"  # rewrite (a): "latest" | "none" | "all" (kept: no rewrite)
     trim_after: int = 2  # rewrite (b): tool outputs this many requests old are trimmed ...
     trim_lines: int = 3  # ... to their first lines
     echo_of: int = 1  # rewrite (c): the step whose tool call is re-echoed ...
@@ -77,7 +78,7 @@ class Workload:
             if k == i:
                 break
             reply = copy.deepcopy(step.reply)
-            if "reasoning_content" in reply and (self.reasoning == "none" or k < i - 1):
+            if "reasoning_content" in reply and (self.reasoning == "none" or self.reasoning == "latest" and k < i - 1):
                 del reply["reasoning_content"]
             if k == self.echo_of and i >= self.echo_at:
                 fn = reply["tool_calls"][0]["function"]
@@ -87,6 +88,11 @@ class Workload:
 
     def requests(self) -> list[list[dict]]:
         return [self.request(i) for i in range(len(self.steps))]
+
+    def append_only(self) -> "Workload":
+        """The same conversation sent as an agent that never rewrites its history: every
+        request extends the previous one (reasoning kept, nothing trimmed or re-echoed)."""
+        return dataclasses.replace(self, reasoning="all", trim_after=len(self.steps) + 1, echo_at=len(self.steps) + 1)
 
 
 def trim(text: str, lines: int) -> str:
