@@ -31,7 +31,8 @@ passes it counts as hung, and a session stops at its first hung request. The SDK
 never retry (max_retries=0). Errors are counted by kind: "STATUS:type" for an HTTP
 error, "stream:type" for an error event inside a stream, "timeout", "connection", or
 the exception's class. The server's RSS (/proc VmRSS) is read after the warm-up and
-the first round of phase 1 (the baseline, caches filled) and at the end.
+the first round of phase 1, after phase 1 (the baseline: every program compiled, the
+state cache at its --state-cache-mib budget) and at the end; growth is end / baseline.
 
 Prints ONE JSON line (progress goes to stderr): requests (generation requests; the
 token counts are counted apart), hung, errors by kind (with a few samples), TTFT and
@@ -107,8 +108,10 @@ QUESTIONS = ["What does this function return?", "Name a prime number.", "Say hel
 
 def start_server(a, port: int, log) -> subprocess.Popen:
     """`ftjax serve` on 127.0.0.1:port, its stderr to `log`; returns once /health answers."""
+    tier_gb = str(a.state_cache_mib / 2 / 1024)  # half on the device tier, half on the host tier
     cmd = [sys.executable, "-m", "ftjax.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--warmup",
-           "--max-batch", str(a.max_batch), "--state-cache", a.state_cache]
+           "--max-batch", str(a.max_batch), "--state-cache", a.state_cache,
+           "--state-cache-device-gb", tier_gb, "--state-cache-host-gb", tier_gb]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + a.startup_timeout
     while not healthy(port):
@@ -474,6 +477,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
     ap.add_argument("--state-cache", choices=["off", "prefix", "semantic"], default="semantic",
                     help="the server's --state-cache")
+    ap.add_argument("--state-cache-mib", type=float, default=256,
+                    help="the state cache's budget (half device tier, half host tier): it fills during phase 1, "
+                         "so phase 2's RSS growth shows leaks, not a cache filling up")
     ap.add_argument("--timeout", type=float, default=120, help="client-side deadline of a request, s (hung after)")
     ap.add_argument("--startup-timeout", type=float, default=600, help="s to wait for the server's /health")
     ap.add_argument("--seed", type=int, default=0)
@@ -506,11 +512,12 @@ def soak(a, port: int, proc: subprocess.Popen) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max(1, a.sessions)) as pool:
         list(pool.map(lambda s: session_step(s, clients, tally, a.max_history), sessions))  # round 1
-        baseline = rss(proc.pid)["rss_mib"]
-        log(f"round 1 of {a.sessions} sessions done; server RSS {baseline} MiB")
+        round1 = rss(proc.pid)["rss_mib"]
+        log(f"round 1 of {a.sessions} sessions done; server RSS {round1} MiB")
         list(pool.map(lambda s: run_session(s, clients, tally, a.turns, a.max_history), sessions))
     agent_s = time.perf_counter() - t0
-    log(f"phase 1: {tally.requests['agent']} agent requests in {agent_s:.1f} s")
+    baseline = rss(proc.pid)["rss_mib"]  # every program compiled, the state cache at its budget
+    log(f"phase 1: {tally.requests['agent']} agent requests in {agent_s:.1f} s; server RSS {baseline} MiB")
     t0 = time.perf_counter()
     specs = [short_spec(rng) for _ in range(a.short)]
     with ThreadPoolExecutor(max(1, a.concurrency)) as pool:
@@ -521,13 +528,14 @@ def soak(a, port: int, proc: subprocess.Popen) -> dict:
     stats = server_stats(port)
     all_lat = tally.latency["agent"] + tally.latency["short"]
     all_ttft = tally.ttft["agent"] + tally.ttft["short"]
-    return {"bench": "serve_soak", "model": MODEL, "requests": tally.requests["agent"] + tally.requests["short"],
+    return {"bench": "serve_agent_soak", "model": MODEL, "requests": tally.requests["agent"] + tally.requests["short"],
             "hung": tally.errors["timeout"], "errors": dict(tally.errors), "error_samples": tally.samples,
             "ttft_ms": {"agent": dist(tally.ttft["agent"]), "short": dist(tally.ttft["short"]), "all": dist(all_ttft)},
             "latency_ms": {"agent": dist(tally.latency["agent"]), "short": dist(tally.latency["short"]),
                            "all": dist(all_lat)},
             "phase_wall_s": {"agent": round(agent_s, 1), "short": round(short_s, 1)},
-            "rss_mib_baseline": baseline, "rss_mib_end": end, "rss_growth": round(end / baseline - 1, 4),
+            "rss_mib_round1": round1, "rss_mib_baseline": baseline, "rss_mib_end": end,
+            "rss_growth": round(end / baseline - 1, 4), "state_cache_budget_mib": a.state_cache_mib,
             "max_history_tokens": tally.max_history, "turns_dropped": sum(s.dropped_turns for s in sessions),
             "agent_tool_calls": sum(s.tool_calls for s in sessions),
             "sessions_stopped": sum(s.stopped for s in sessions), "count_tokens_requests": tally.requests[
