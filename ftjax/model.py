@@ -8,6 +8,12 @@ A `Model` owns what every request shares, and nothing per request:
 - the compiled steps (`engine.steps.Steps`, `engine.streamed.StreamedPrefill`),
 - telemetry (`engine.telemetry`: cumulative counters + a bounded per-step log).
 
+`prefill_step` and `decode_step` are the one place the compiled steps run: they donate
+the state they are given, replace the expert-cache state, record telemetry and feed the
+online calibration. Sessions (the Python API) and the server's scheduler both go
+through them. A step that fails may have consumed (donated) or poisoned the expert-cache
+state; `recover()` rebuilds it, so the model keeps serving after any failure.
+
 A conversation's state lives in a `Session` (`engine.session`): `model.session()`,
 `model.session(snapshot)`. `generate`, `generate_stream`, `chat` and `logits` are thin
 wrappers over a fresh session; `generate_many` decodes several prompts together in one
