@@ -7,6 +7,7 @@ differs per token and greedy continuations are informative.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -82,6 +83,31 @@ def save(model, path: Path, *, fused: bool = False, dtype=None, max_shard_size=N
         kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(path, **kw)
     return path
+
+
+@contextlib.contextmanager
+def stable_topk():
+    """torch's topk with equal values kept lowest index first (a stable descending sort),
+    the rule ftjax's DSA selection follows (`models.dsa.top_k_keep`); torch's own order
+    among equal values is whatever its algorithm gives. Yields a list that collects, per
+    call, whether the k-th value was tied with one left out (so a test can check that
+    its reference met ties at all)."""
+    original = torch.Tensor.topk
+    ties: list[bool] = []
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, idx = torch.sort(self, dim=dim, descending=largest, stable=True)
+        kept = values.narrow(dim, 0, k)
+        if k < self.shape[dim]:
+            kth, nxt = kept.narrow(dim, k - 1, 1), values.narrow(dim, k, 1)
+            ties.append(bool(((kth == nxt) & torch.isfinite(kth)).any()))
+        return torch.return_types.topk((kept, idx.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield ties
+    finally:
+        torch.Tensor.topk = original
 
 
 def hf_logits(model, ids) -> "torch.Tensor":

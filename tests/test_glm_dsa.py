@@ -142,6 +142,34 @@ def test_other_geometries(overrides, tmp_path):
         assert model.config.moe_layers == (False, True, False, True)
 
 
+# Geometries where the indexer's top-k sits below the prompt and, with few heads, keys tie
+# at score 0 (every head's relu vanishing): the selection is one rule (ties lowest position
+# first), the same in every chunking, and the reference is given that rule.
+TIED_GEOMETRIES = [
+    dict(index_n_heads=4),
+    dict(index_n_heads=2, index_head_dim=32, q_lora_rank=20),
+    dict(index_n_heads=4, num_hidden_layers=2, first_k_dense_replace=0, kv_lora_rank=24, index_topk=3,
+         qk_rope_head_dim=8, qk_nope_head_dim=12),
+]
+
+
+@pytest.mark.parametrize("overrides", TIED_GEOMETRIES, ids=["h4", "h2-d32-q20", "h4-k3-r8-moe-first"])
+def test_tied_selections_match_transformers_and_every_chunking(overrides, tmp_path):
+    hf = hf_models.build(FAMILY, seed=7, **overrides)
+    with hf_models.stable_topk() as ties:
+        reference = hf_models.hf_logits(hf, LONG).numpy(), hf_models.hf_greedy(hf, LONG, 8)
+    assert any(ties)  # the reference met keys tied at the k-th score: the case under test
+    path = hf_models.save(hf, tmp_path)
+    model = ftjax.load(path)
+    hf_models.check_against(model, reference, LONG)
+    whole = model.logits(LONG)
+    for split in (5, 17, 30):  # a session fed in two pieces
+        s = model.session()
+        s.append(LONG[:split])
+        assert rel_err(s.logits(LONG[split:]), whole[split:]) <= 1e-5
+    assert rel_err(ftjax.load(path, prefill_chunk=7).logits(LONG), whole) <= 1e-5  # chunked prefill
+
+
 # ---- the indexer and the masked attention against numpy --------------------------------------
 
 def numpy_keep(q, w, keys, positions, scale, k):
@@ -174,6 +202,9 @@ def test_indexer_selection_matches_numpy():
     assert (want.sum(-1) == np.minimum(positions + 1, k)).all()
     ties = np.zeros((1, 1, 8), np.float32)  # equal scores: the lowest positions are kept
     np.testing.assert_array_equal(np.asarray(top_k_keep(jnp.asarray(ties), 3))[0, 0], np.arange(8) < 3)
+    mixed = np.array([[[0.5, 0, -1, 0, 2, 0, 0, -np.inf]]], np.float32)  # 2 above the tie at 0, 4 tied
+    np.testing.assert_array_equal(np.asarray(top_k_keep(jnp.asarray(mixed), 4))[0, 0],
+                                  [True, True, False, True, True, False, False, False])
 
 
 def direct_sparse_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, positions, scale, keep):

@@ -34,10 +34,11 @@ Cost: O(T·S·Hi·di) for the scores and O(T·S) memory per layer call (one floa
 query and key): prompts are prefilled in chunks (`prefill_chunk`) to bound it.
 
 Ties: keys whose index scores are exactly equal at the k-th place are kept lowest
-position first; torch.topk's order among equal values is implementation-defined, so
-transformers may keep a different one of them (exact ties need every head's relu to
-vanish for two keys, or equal weights; random or trained weights practically never
-produce them).
+position first (`top_k_keep`). They are frequent: a key for which every head's relu
+vanishes scores exactly 0, which with Hi heads happens to about one key in 2^Hi. torch's
+`topk` orders equal values as its algorithm happens to (on the CPU, not lowest index
+first), so transformers keeps other tied keys; the parity tests give the reference the
+same rule (`tests/hf_models.stable_topk`) and check that ties did occur.
 
 IndexShare (GLM-5.2, `indexer_types` "shared"): a layer of kind `mla_dsa_shared` has no
 indexer and reuses the keep mask of the last `mla_dsa` layer before it in the same
@@ -117,13 +118,21 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, positions: jax.Arr
 
 
 def top_k_keep(scores: jax.Array, k: int) -> jax.Array:
-    """scores [B, T, S] -> keep [B, T, S] bool: the k best keys of each query (ties: lower
-    positions first, as `lax.top_k` orders them). Where fewer than k keys are visible the
-    set also holds some -inf (invisible) keys; attention's causal mask drops them."""
-    values, idx = jax.lax.top_k(scores, k)  # [B, T, k], best first; equal values lowest position first
-    kth, kth_pos = values[..., -1:], idx[..., -1:]
-    pos = jnp.arange(scores.shape[-1], dtype=idx.dtype)
-    return (scores > kth) | ((scores == kth) & (pos <= kth_pos))
+    """scores [B, T, S] -> keep [B, T, S] bool: the k best keys of each query; among keys
+    tied at the k-th score, the lowest positions. Where fewer than k keys are visible the
+    set also holds some -inf (invisible) keys; attention's causal mask drops them.
+
+    Ties are common, not a corner case: a key whose every head's relu term vanishes
+    scores exactly 0, so with few indexer heads several keys tie at 0 (with 4 heads one
+    key in 16). Only the k-th *value* is taken from `lax.top_k` (it is the same whatever
+    order an implementation gives equal values); the tied keys are then kept by position
+    with a running count, so the selection is one rule, the same in every chunking of a
+    prompt and on every backend."""
+    kth = jax.lax.top_k(scores, k)[0][..., -1:]  # [B, T, 1] the k-th best score
+    above = scores > kth
+    tied = scores == kth
+    room = k - jnp.sum(above, axis=-1, keepdims=True)  # tied keys still to keep
+    return above | (tied & (jnp.cumsum(tied, axis=-1) <= room))
 
 
 class LayerNorm(nnx.Module):
