@@ -345,7 +345,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
          prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None,
-         calibrate: bool = True) -> Model:
+         calibrate: bool | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
     its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
@@ -370,7 +370,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     states grow and grows back as they shrink (`ftjax.engine.memory`; "auto": the
     accelerator's memory; None: no budget); calibrate: under the bandwidth-adaptive split
     (`lru`), re-estimate B_H from the host work the model does and move q with it
-    (`Model.calibrate`, `ftjax.experts.calibration`); False keeps the profile's q.
+    (`Model.calibrate`, `ftjax.experts.calibration`); False keeps q as the bandwidths give
+    it; None (default): on with the measured profile, off when `bandwidth` is given (the
+    numbers the caller gave pin the split: every record's q is the q* rule with them).
     """
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
     if kv_dtype not in kv_dtypes:
@@ -405,6 +407,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
             raise ValueError(f"policy {policy!r} needs cache_slots=N or cache_bytes=B")
         slots = cache_slots if cache_slots is not None else int(cache_bytes // pool.expert_bytes)
     ratio = 1.0
+    explicit_bandwidth = bandwidth
     if pol.split == "adaptive":
         if bandwidth is None:
             from ftjax.experts.profile import get_or_measure
@@ -417,6 +420,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         from ftjax.host import HostExecutor
         host = HostExecutor(pool, threads=threads, swiglu_limit=expert_options.get("swiglu_limit"))
         host_fn = host.expert_ffn
+        if calibrate is None:
+            calibrate = explicit_bandwidth is None
         if pol.split == "adaptive" and calibrate:
             calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,

@@ -91,7 +91,7 @@ def test_online_calibration_moves_q_under_an_injected_host_slowdown(monkeypatch)
     import ftjax.host as host
 
     monkeypatch.setattr(host, "default_boundary", lambda platform=None: host.Boundary.CALLBACK)
-    model = ftjax.load(policy="lru", cache_slots=8, bandwidth=(0.5, 5.0))
+    model = ftjax.load(policy="lru", cache_slots=8, bandwidth=(0.5, 5.0), calibrate=True)
     initial = model.stats()["bandwidth"]["q_table"]
     assert initial[:3] == [0, 0, 0]  # r = 0.1: one or two misses all stay on the host
     for n in (40, 200):  # compiles each context bucket used below; the real host path is fast
@@ -114,6 +114,25 @@ def test_online_calibration_moves_q_under_an_injected_host_slowdown(monkeypatch)
     bw = model.stats()["bandwidth"]
     assert bw["live_gbps"]["B_H"] > 1.0 and bw["q_table"][:3] == initial[:3], bw  # top-2: m <= 2
     assert model._steps.decode._cache_size() == compiles  # the table is data
+
+
+def test_explicit_bandwidths_pin_the_split():
+    """bandwidth=(B_P, B_H) without calibrate: no online calibration, and every decode
+    record's transfers are the q* rule with those numbers (a cache as large as the pool,
+    so the free-slot cap never binds)."""
+    from ftjax.experts.policy import adaptive_q, transfer_ratio
+
+    cfg = ftjax.load().config
+    model = ftjax.load(policy="lru", cache_slots=cfg.num_moe_layers * cfg.num_experts, bandwidth=(1.0, 3.0))
+    assert model.calibration is None and "bandwidth" not in model.stats()
+    model.generate(PROMPT, 60)
+    r = transfer_ratio(1.0, 3.0)
+    records = [rec for rec in model.expert_log() if rec["phase"] == "decode" and rec["fetched"] + rec["host"]]
+    assert records
+    for rec in records:
+        m = len(rec["fetched"]) + len(rec["host"])
+        assert len(rec["fetched"]) == adaptive_q(m, r), rec
+    assert ftjax.load(policy="lru", cache_slots=8, bandwidth=(1.0, 3.0), calibrate=True).calibration is not None
 
 
 def scaled_default_model(out, num_experts: int, d_ff: int):
