@@ -43,6 +43,78 @@ class ConfigError(ValueError):
     """A config.json that ftjax cannot run, with the reason and the file."""
 
 
+MAX_SIZE = 2**31 - 1  # every size and count must fit an int32 (array dimensions, token ids)
+MAX_LAYERS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What a config.json value may be: an integer or a number in [low, high] (`above`:
+    strictly above low), or null where the key has a meaning when absent."""
+
+    kind: str  # "int" | "float" | "bool"
+    low: float = 0
+    high: float = MAX_SIZE
+    above: bool = False
+    nullable: bool = True
+
+    def why_not(self, value: Any) -> str | None:
+        """None if value is allowed, else what it must be."""
+        if value is None:
+            return None if self.nullable else "must be given (not null)"
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else "must be true or false"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.kind == "int" and not (number and float(value).is_integer()):
+            return "must be an integer"
+        if not number or not math.isfinite(value):
+            return "must be a finite number"
+        lo = f"> {self.low:g}" if self.above else f">= {self.low:g}"
+        if value < self.low or (self.above and value == self.low) or value > self.high:
+            return f"must be {lo} and <= {self.high:g}"
+        return None
+
+
+_SIZE, _COUNT = Rule("int", 1), Rule("int", 0)  # a positive size; a count that may be 0
+_SIZE_GIVEN = Rule("int", 1, nullable=False)  # a size a reader needs when the key is there
+_POSITIVE = Rule("float", 0, float("inf"), above=True, nullable=False)
+# Every scalar a family reader takes from config.json, by its Hugging Face name (aliases
+# included): checked before any reader runs, so a bad value is an error naming its key,
+# never a conversion error or a shape error inside a step.
+HF_VALUE_RULES: dict[str, Rule] = {
+    **{k: Rule("int", 1, nullable=False) for k in ("vocab_size", "hidden_size", "num_attention_heads")},
+    "num_hidden_layers": Rule("int", 1, MAX_LAYERS, nullable=False),
+    **{k: _SIZE for k in ("num_key_value_heads", "head_dim", "max_position_embeddings", "q_lora_rank", "n_group",
+                          "topk_group", "decoder_sparse_step", "o_lora_rank", "o_groups", "index_topk_freq")},
+    "qk_nope_head_dim": Rule("int", 0, nullable=False),
+    **{k: _SIZE_GIVEN for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+                                "index_topk", "num_experts_per_tok", "moe_intermediate_size", "linear_num_key_heads",
+                                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                                "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters")},
+    **{k: _COUNT for k in ("intermediate_size", "shared_expert_intermediate_size",
+                           "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts",
+                           "first_k_dense_replace", "sliding_window", "num_hash_layers",
+                           "index_skip_topk_offset")},
+    **{k: _POSITIVE for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta", "hc_eps",
+                              "routed_scaling_factor", "swiglu_limit", "compress_rope_theta")},
+    "partial_rotary_factor": Rule("float", 0, 1, above=True),
+    **{k: Rule("bool") for k in ("tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window",
+                                 "use_qk_norm")},
+}
+
+
+def check_hf_values(hf: dict[str, Any], where: str = "config.json") -> None:
+    """Every known scalar of an HF config (and of a nested `text_config` / `rope_parameters`)
+    against `HF_VALUE_RULES` -> ConfigError naming the first bad key."""
+    scopes = [("", hf)] + [(f"{k}.", hf[k]) for k in ("text_config", "rope_parameters", "rope_scaling")
+                           if isinstance(hf.get(k), dict)]
+    for prefix, scope in scopes:
+        for key, rule in HF_VALUE_RULES.items():
+            if key in scope:
+                why = rule.why_not(scope[key])
+                if why:
+                    raise ConfigError(f"{where}: {prefix}{key} {why}, got {scope[key]!r}")
+
 
 # The layer kinds a config may name (`ModelConfig.layer_kinds`); `models.layers` registers
 # one class under each (and refuses a name not listed here).
@@ -201,6 +273,13 @@ class ModelConfig:
         return self.moe_layer_ids.index(layer)
 
 
+# The config.json keys behind ModelConfig fields that have no alias list above, for messages.
+HF_NAMES: dict[str, tuple[str, ...]] = {
+    "d_ff": ("intermediate_size",), "shared_expert_d_ff": ("shared_expert_intermediate_size",),
+    "vocab_size": ("vocab_size",), "head_dim": ("head_dim",),
+}
+
+
 def hf_get(hf: dict[str, Any], field: str, default: Any = dataclasses.MISSING) -> Any:
     """Read `field` from an HF config dict through its known aliases."""
     for name in HF_ALIASES.get(field, (field,)):
@@ -278,15 +357,14 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     return hf
 
 
-MAX_SIZE = 2**31 - 1  # every size and count must fit an int32 (array dimensions, token ids)
-
-
 def validate(cfg: ModelConfig) -> ModelConfig:
     """Range checks on every field a family reader fills, beyond the ones tensor shapes
     enforce later: sizes positive, eps / theta finite, per-layer tuples of the right
     length, token ids in the vocabulary. Raises ConfigError naming the field."""
     def bad(field, why, where=cfg, what=""):
-        raise ConfigError(f"config.json: {what}{field} {why}, got {getattr(where, field)!r}")
+        names = HF_ALIASES.get(field, ()) + HF_NAMES.get(field, ())
+        named = f"{field} ({' / '.join(names)})" if names and field not in names else field
+        raise ConfigError(f"config.json: {what}{named} {why}, got {getattr(where, field)!r}")
 
     def sizes(where, fields, what=""):  # each a positive int that fits an int32
         for field in fields:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ftjax.config import ConfigError, ModelConfig
+from ftjax.config import ConfigError, ModelConfig, check_hf_values
 from ftjax.models import deltanet  # noqa: F401  (registers the gated_deltanet layer kind)
 from ftjax.models import mla  # noqa: F401  (registers the mla layer kind)
 from ftjax.models import dsa  # noqa: F401  (registers the mla_dsa layer kind)
@@ -41,5 +41,8 @@ def family(model_type: str | None) -> ModuleType:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from a parsed config.json (dispatches on `model_type`)."""
-    return family(hf.get("model_type")).config_from_hf(hf)
+    """ModelConfig from a parsed config.json (dispatches on `model_type`); every known
+    value is checked first (`config.check_hf_values`)."""
+    fam = family(hf.get("model_type"))
+    check_hf_values(hf)
+    return fam.config_from_hf(hf)

@@ -62,15 +62,17 @@ def base_fields(hf: dict[str, Any], yarn: bool = False) -> dict[str, Any]:
 
 def check(cfg: ModelConfig) -> ModelConfig:
     """Sanity checks that catch corrupt configs before any tensor is read."""
-    if cfg.num_heads % cfg.num_kv_heads:
+    if cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
     if not 0 < cfg.top_k <= cfg.num_experts:
-        raise ConfigError(f"num_experts_per_tok {cfg.top_k} must be in 1..num_experts ({cfg.num_experts})")
+        raise ConfigError(f"num_experts_per_tok {cfg.top_k} must be in 1..num_experts ({cfg.num_experts}: "
+                          f"num_experts / num_local_experts / n_routed_experts)")
     if cfg.head_dim % 2:
         raise ConfigError(f"head_dim {cfg.head_dim} must be even for RoPE")
-    for name in ("vocab_size", "d_model", "num_layers", "d_ff_expert"):
+    for name, hf_names in (("vocab_size", "vocab_size"), ("d_model", "hidden_size"),
+                           ("num_layers", "num_hidden_layers"), ("d_ff_expert", "moe_intermediate_size / intermediate_size")):
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+            raise ConfigError(f"{name} ({hf_names}) must be positive, got {getattr(cfg, name)}")
     return validate(cfg)
 
 

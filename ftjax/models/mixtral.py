@@ -2,7 +2,7 @@
 weights always renormalised, optional sliding window on every layer. Checkpoints name
 the block `block_sparse_moe` and the expert matrices w1 (gate), w3 (up), w2 (down)."""
 
-from ftjax.config import ModelConfig
+from ftjax.config import ModelConfig, hf_get
 from ftjax.models.hf import base_fields, check, sliding_windows
 
 KEY_ALIASES = [
@@ -18,7 +18,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return check(ModelConfig(
         **f,
         d_ff=0,
-        d_ff_expert=int(hf["intermediate_size"]),
+        d_ff_expert=int(hf_get(hf, "intermediate_size")),
         norm_topk_prob=True,
         moe_layers=(True,) * f["num_layers"],
         sliding_windows=sliding_windows(hf, f["num_layers"], True),
