@@ -116,7 +116,8 @@ def test_report_has_paper_tables_and_verdicts(run):
 
 
 def test_cli_rejects_a_missing_model(tmp_path, capsys):
-    rc = main_bench(["paper", "--quick", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "nope")])
+    rc = main_bench(["paper", "--quick", "--allow-dirty", "--out", str(tmp_path / "o"), "--model",
+                     str(tmp_path / "nope")])
     assert rc == 1
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "setup" in summary["errors"]

@@ -701,7 +701,8 @@ def _summary_parts(r: dict) -> list[tuple[str, Any]]:
 def summary(r: dict, out: Path) -> dict[str, Any]:
     """The one-line JSON: commit, machine, out dir, settings, key numbers. A missing or
     malformed result group is listed under `missing`, never raised."""
-    s: dict[str, Any] = {"bench": "paper", "commit": r.get("commit"), "machine": r.get("machine"), "out": str(out),
+    s: dict[str, Any] = {"bench": "paper", "commit": r.get("commit"), "dirty": r.get("dirty"),
+                         "machine": r.get("machine"), "time": r.get("started"), "out": str(out),
                          "quick": r.get("quick"), "model": (r.get("model") or {}).get("path"),
                          "elapsed_s": r.get("elapsed_s"), "stage_s": r.get("stage_s"),
                          "errors": r.get("errors") or None, "accelerator": has_accelerator(r)}
