@@ -51,6 +51,12 @@ if TYPE_CHECKING:
     from ftjax.model import Model
 
 
+# This build disables slots inside the compiled cache buffer; it never re-allocates the buffer
+# smaller, so no device memory goes back to the allocator. `ftjax bench paper` reads this
+# (and checks it against the buffer's size) before it speaks to the paper's elastic-VRAM claim.
+RELEASES_DEVICE_BYTES = False
+
+
 class DeviceMemoryError(ValueError):
     """A state would not fit the device budget even with an empty expert cache."""
 
