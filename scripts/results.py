@@ -522,6 +522,17 @@ def decode_gaps(runs: list[Run]) -> list[str]:
     return [f"{', '.join(missing)}: no clean pair of runs (both engines, one machine)"] if missing else []
 
 
+LEGEND = (
+    ("olmoe-*.gguf", "OLMoE-1B-7B geometry, 4 layers (`make_geometry_checkpoint.py --family olmoe --layers 4`), "
+                     "converted and quantised by llama.cpp's own tools"),
+    ("geom-q36", "Qwen3.6-35B-A3B geometry (Gated DeltaNet hybrid), 4 layers (`--family qwen3_5_moe`); "
+                 "`geom-q36-bf16.gguf` its bf16 conversion"),
+    ("ftjax-geom", "Qwen3-30B-A3B geometry, 4 layers (`--family qwen3_moe`)"),
+    ("/tmp/geom-olmoe", "the OLMoE geometry folder"),
+    ("default_model` / `default", "the embedded model"),
+)
+
+
 @dataclass
 class Question:
     folder: str
@@ -543,7 +554,7 @@ QUESTIONS = [
              [decode_tables, prefill_tables, ceiling_tables],
              "`scripts/bench_quant.py --skip-ppl --skip-kernel --model /tmp/olmoe-FORMAT.gguf --threads 1 2` and "
              "`scripts/bench_llamacpp.py --gguf /tmp/olmoe-FORMAT.gguf --threads T --prompt 512 --new 32` for FORMAT "
-             "in bf16, q8_0, q4_k_m, taking turns (docs/benchmarks.md, \"Peers\")",
+             "in bf16, q8_0, q4_k_m, taking turns ([benchmarks.md](benchmarks.md#decode-and-prefill-against-llamacpp))",
              [("Prefill against llama.cpp", "The same runs: the prompt before the decode, in tokens per second."),
               ("Decode against the read ceiling", "ftjax alone: how close a decode step comes to the bytes per "
                                                   "second the machine can read.")],
@@ -639,7 +650,10 @@ def _page(sections: list[str], missing: list[Question], gaps: list[tuple[Questio
            "run of the same question replaced, and every line measured on an uncommitted tree, are not kept. "
            "How each benchmark works and what was learned from it: [benchmarks.md](benchmarks.md).", "",
            "Regenerate with `python scripts/results.py` after adding lines (`--check` tells whether this page and "
-           "the README's headline rows are current).", ""]
+           "the README's headline rows are current).", "",
+           "Model names in the tables are the files and folders the benchmark commands make "
+           "([benchmarks.md](benchmarks.md) has the commands): " + "; ".join(f"`{k}`: {v}" for k, v in LEGEND) + ".",
+           ""]
     out += [s.rstrip() + "\n" for s in sections]
     out += ["## Not measured on a clean tree yet", ""]
     out += [f"- **{q.title}**: no clean raw line. Produce them with {q.produce}." for q in missing]

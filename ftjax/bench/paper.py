@@ -35,7 +35,8 @@ import numpy as np
 from ftjax.config import read_config_json
 from ftjax.data import corpus
 from ftjax.experts.profile import DEFAULT_SHAPE, machine_info, measure
-from ftjax.runinfo import commit_info, cpu_flags
+from ftjax.runinfo import commit_info
+from ftjax.runinfo import machine_info as cpu_info
 from ftjax.lab.geometry import ModelGeometry, qwen3_30b_a3b
 from ftjax.lab.machines import PAPER_MACHINES, HardwareProfile, from_profile
 from ftjax.lab.report import plot_miss_rates
@@ -417,7 +418,7 @@ def run_paper(out: str | Path, model: str | None = None, settings: PaperSettings
     settings = settings or (PaperSettings.quick() if quick else PaperSettings.full())
     log = log or (lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}", file=sys.stderr, flush=True))
     b = Bench(out, model, settings, quick, log)
-    b.results.update(**commit_info(), machine={**machine_info(), "cpu_flags": cpu_flags()},
+    b.results.update(**commit_info(), machine={**cpu_info(), **machine_info()},
                      settings=dataclasses.asdict(settings),
                      quick=quick, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      loadavg_start=os.getloadavg())
