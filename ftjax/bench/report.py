@@ -607,8 +607,8 @@ def _claims_scale(r: dict) -> list[tuple[str, str, str]]:
              f"`{mach.get('platform') or 'cpu'}`)") + ("" if paper_card else
                                                         f", none of the paper's cards ({', '.join(PAPER_GPUS)})")
     pool = m.get("expert_pool_bytes")
-    model = (f"the model is `{m.get('model_type')}` with {pool / 2**30:.2f} GiB of experts" if pool
-             else "no model was loaded")
+    size = (f"{pool / 2**30:.1f} GiB" if pool >= 2**30 else f"{pool / 2**20:.1f} MiB") if pool else ""
+    model = f"the model is `{m.get('model_type')}` with {size} of experts" if pool else "no model was loaded"
     speeds = (f"{where}; {model}, not one of the paper's checkpoints: `bench paper` times the model it loads, which "
               f"says nothing about the paper's absolute tok/s.")
     ctx = m.get("max_seq_len")
@@ -687,7 +687,7 @@ def _claims_memory(r: dict) -> list[tuple[str, str, str]]:
     shrank = last["active_slots"] < m["start"]["active_slots"]
     freed = min(buffers) < buffers[0]
     refused = m.get("refused")
-    measured = (f"measured: under a budget of {m['budget_bytes'] / mib:.1f} MiB (weights {m['weights_bytes'] / mib:.1f} "
+    measured = (f"Measured: under a budget of {m['budget_bytes'] / mib:.1f} MiB (weights {m['weights_bytes'] / mib:.1f} "
                 f"+ prefill scratch {m['scratch_bytes'] / mib:.1f} + all {m['max_slots']} expert slots of "
                 f"{m['slot_bytes'] / mib:.2f} MiB), a session grown to {last['tokens']} tokens (state "
                 f"{last['states_bytes'] / mib:.1f} MiB) left {last['active_slots']} of {m['start']['active_slots']} "
