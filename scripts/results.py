@@ -5,7 +5,7 @@
 
 Raw lines live in docs/results/QUESTION/RUN/FILE.jsonl: one JSON object a line, exactly as a
 benchmark runner printed it (commit, dirty, machine, time, command, measurements). QUESTION
-is one of the folders in QUESTIONS below, RUN one measuring session on one machine (its
+is one of the folders in QUESTIONS below, RUN one run on one machine (its
 name starts with the date), FILE says what ran (`ftjax.jsonl`, `llamacpp.jsonl`, ...).
 
 Rules the generator enforces (and tests/test_results_page.py with it):
@@ -166,16 +166,6 @@ class Value:
 
 
 @dataclass(frozen=True)
-class Span:
-    """min-max of a series, each end linked."""
-    lo: Value
-    hi: Value
-
-    def md(self, base: str) -> str:
-        return f"{self.lo.md(base)}–{self.hi.md(base)}"
-
-
-@dataclass(frozen=True)
 class Ratio:
     """a / b of two linked cells of the same row (derived: not a raw number)."""
     a: Value
@@ -204,15 +194,13 @@ class Text:
         return self.s
 
 
-Cell = Value | Span | Ratio | Joined | Text
+Cell = Value | Ratio | Joined | Text
 NONE = Text("—")
 
 
 def cell_lines(c: Cell) -> list[Line]:
     if isinstance(c, Value):
         return [c.line]
-    if isinstance(c, Span):
-        return [c.lo.line, c.hi.line]
     if isinstance(c, Ratio):
         return [c.a.line, c.b.line]
     if isinstance(c, Joined):
@@ -512,6 +500,25 @@ def cache_tables(run: Run):
     return [Table(run.name, ["model, cache size, policy", "decode miss rate"], rows, run)], []
 
 
+def memory_tables(run: Run):
+    """`scripts/bench_soak.py` / `scripts/bench_serve.py` lines: the serving process's
+    resident memory at the start of the measured phase and at its end."""
+    rows = []
+    for x in run.bench("serve_agent_soak"):
+        rows.append([Text(f"`bench_soak.py`, {x.get('requests')} requests, state cache {x.get('state_cache')} "
+                          f"({x.get('state_cache_budget_mib')} MiB)"),
+                     Value(x.get("rss_mib_baseline"), x), Value(x.get("rss_mib_end"), x),
+                     Ratio(Value(x.get("rss_mib_end"), x), Value(x.get("rss_mib_baseline"), x))])
+    for x in run.bench("serve_soak"):
+        rows.append([Text(f"`bench_serve.py`, {x.get('requests')} requests, {x.get('concurrency')} clients"),
+                     Value(x.get("server_rss_start_mib"), x), Value(x.get("server_rss_end_mib"), x),
+                     Ratio(Value(x.get("server_rss_end_mib"), x), Value(x.get("server_rss_start_mib"), x))])
+    if not rows:
+        return [], []
+    return [Table(run.name, ["run", "server RSS at start MiB", "server RSS at end MiB", "end / start (ratio)"], rows,
+                  run)], []
+
+
 def decode_gaps(runs: list[Run]) -> list[str]:
     have = set()
     for run in runs:
@@ -578,10 +585,10 @@ QUESTIONS = [
              [cache_tables],
              "`ftjax bench paper --out DIR | tail -1 >> docs/results/cache/DATE/paper.jsonl`"),
     Question("memory", "Memory",
-             "Resident memory of a serving process over a long run, and the device-memory split under a budget.",
-             [],
-             "`scripts/bench_soak.py` (RSS growth of a serving process) and `ftjax bench agent --device-memory-gb N` "
-             "(the memory split per mode)"),
+             "Resident memory of a serving process over a long run (`scripts/bench_soak.py`: the start is after its "
+             "first phase, every program compiled and the state cache at its budget).",
+             [memory_tables],
+             "`python scripts/bench_soak.py | tail -1 >> docs/results/memory/DATE-soak/soak.jsonl`"),
     Question("batch", "Batched decode",
              "B sessions decoded together in one step (`scripts/bench_batch.py`): total tokens per second.",
              [batch_tables],

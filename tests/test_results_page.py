@@ -242,3 +242,15 @@ def test_machine_info_names_cpu_flags_and_run_fields_the_command():
     assert isinstance(m["cpu_flags"], list) and set(m["cpu_flags"]) <= set(runinfo.ISA_FLAGS)
     f = runinfo.run_fields()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", f["time"]) and f["command"]
+
+
+def test_soak_lines_make_a_memory_table(tmp_path):
+    run = tmp_path / "docs" / "results" / "memory" / "2026-01-02-soak"
+    run.mkdir(parents=True)
+    line = {"bench": "serve_agent_soak", "requests": 1160, "state_cache": "semantic", "state_cache_budget_mib": 256,
+            "rss_mib_baseline": 1400.0, "rss_mib_end": 1428.0, "commit": "abcdef1", "dirty": False,
+            "machine": {"cpu": "CPU A", "cores": 2}}
+    (run / "soak.jsonl").write_text(json.dumps(line) + "\n")
+    page, _, tables = results.build(results.load_runs(tmp_path / "docs" / "results"))
+    assert "## Memory" in page and "[1428](results/memory/2026-01-02-soak/soak.jsonl#L1)" in page and "1.02x" in page
+    assert "- **Memory**" not in page  # no longer in the "not measured" list
