@@ -67,7 +67,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="context length to allocate (default None: the model's maximum)")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="one device-memory budget (GiB) for weights, states, prefill scratch and the expert cache, "
-                        "which yields to states as they grow (default None: no budget)")
+                        "whose active slots yield to states as they grow; the cache buffer keeps its size "
+                        "(default None: no budget)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

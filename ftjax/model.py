@@ -366,8 +366,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk));
     kv_dtype: "float32" (default) or "bfloat16", the storage of the attention K/V cache
     (bf16 halves the bytes a long-context decode step reads); device_memory_bytes: one
-    budget for weights, states, prefill scratch and the expert cache, which shrinks as
-    states grow and grows back as they shrink (`ftjax.engine.memory`; "auto": the
+    budget for weights, states, prefill scratch and the expert cache, whose active slots
+    shrink as states grow and grow back as they shrink; the cache buffer keeps its size,
+    so no device memory is given back (`ftjax.engine.memory`; "auto": the
     accelerator's memory; None: no budget); calibrate: under the bandwidth-adaptive split
     (`lru`), re-estimate B_H from the host work the model does and move q with it
     (`Model.calibrate`, `ftjax.experts.calibration`); False keeps q as the bandwidths give

@@ -461,7 +461,7 @@ def train(run_dir: str | Path, hf: dict, s: TrainSettings, corpus: Corpus, *, re
         log(f"resumed from step {step}")
     elif log_path.is_file():
         log_path.unlink()
-    meta["max_minutes"] = max_minutes  # of this session (recorded for the report's reproduce line)
+    meta["max_minutes"] = max_minutes  # of this training run (recorded for the report's reproduce line)
     valid = {n: jnp.asarray(b) for n, b in corpus.valid_batches(s.eval_windows, s.seq_len).items()}
     tokens_per_step = s.batch_size * s.seq_len
     t_start, t_ckpt = time.time(), time.time()

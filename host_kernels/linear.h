@@ -3,7 +3,8 @@
 //
 // For the non-expert weights of a decode step (attention projections, router, LM
 // head): at batch 1 these are matrix-vector products, bound by how fast W streams
-// from memory, and XLA's CPU dot on bf16 operands runs far below that (0.2-0.6 GB/s measured; docs/benchmarks.md).
+// from memory, and XLA's CPU dot on bf16 operands runs far below that (it widens the
+// whole weight on every call; docs/benchmarks.md).
 // W keeps the HF nn.Linear layout [out, in] so every output is one contiguous row
 // (block formats: a row is K / block_weights blocks, GGUF's bytes). Block weights meet
 // activations quantised to ActQ8 / ActQ8K blocks once per call (prepare_activations, as the

@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -27,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import ftjax  # noqa: E402
 from ftjax.engine.session import generate_batch  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 
 def run_batch(model, prompts: list[list[int]], new: int) -> tuple[float, int]:
@@ -53,7 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-slots", type=int, default=None, help="lru slots (default: a quarter of all experts)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--bandwidth", type=float, nargs=2, default=None, metavar=("B_P", "B_H"))
+    add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
     rng = np.random.default_rng(0)
     for policy in a.policies:
         slots = {} if policy in ("host", "device") else {"cache_slots": a.cache_slots or _quarter(a.model)}
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
                     "total_tok_per_s": round(tokens / dt, 2), "per_session_tok_per_s": round(tokens / dt / B, 2),
                     "step_ms": round(dt / (tokens / B) * 1e3, 3), "rounds": a.rounds,
                     "decode_s_rounds": [round(r[0], 4) for r in runs], "threads": a.threads,
-                    **commit_info(), **machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    **commit_info(), **machine_info(), **run_fields()}
             print(json.dumps(line), flush=True)
     return 0
 

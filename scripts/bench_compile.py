@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from jax import monitoring  # noqa: E402
 
 import ftjax  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 BACKEND = "/jax/core/compile/backend_compile_duration"
 FRONTEND = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["device", "host", "lru", "lru-transfer-only"])
     ap.add_argument("--prompt", type=int, default=7, help="prompt tokens (sets the prefill bucket)")
     ap.add_argument("--threads", type=int, default=2)
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
     probe = ftjax.load(args.model)
     cfg = probe.config
     slots = max(1, cfg.num_moe_layers * cfg.num_experts // 4)
@@ -67,7 +69,8 @@ def main() -> None:
         print(json.dumps({"bench": "compile", **commit_info(), "machine": machine_info(),
                           "model": args.model or "default", "policy": policy, "prompt_tokens": args.prompt,
                           "prefill_compile_s": round(pre, 2), "decode_compile_s": round(dec, 2),
-                          "trace_lower_s": round(pre_front + dec_front, 2), "first_ttft_s": round(ttft, 2)}),
+                          "trace_lower_s": round(pre_front + dec_front, 2), "first_ttft_s": round(ttft, 2),
+                          "threads": args.threads, **run_fields()}),
               flush=True)
 
 

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 import ftjax  # noqa: E402
 from ftjax.engine.session import MIN_CAPACITY, bucket  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 
 def step_times(model, context: int, steps: int) -> list[float]:
@@ -80,7 +80,9 @@ def main(argv=None) -> int:
                     help="auto: the host kernel where `models.layers.attend` picks it; xla: always blocked XLA")
     ap.add_argument("--prefill", nargs="*", type=int, default=[],
                     help="also time the prefill of prompts of these lengths (tok/s)")
+    add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
     if a.attention == "xla":
         from ftjax.models import layers
 
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
                           "kv_dtype": a.kv_dtype, "attention": a.attention,
                           "kv_read_gbps_upper": round(kv_bytes / (ms / 1e3) / 1e9, 2),
                           "steps": a.steps, "rounds": a.rounds, "threads": a.threads, **commit_info(), **machine_info(),
-                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+                          **run_fields()}), flush=True)
     for tokens in a.prefill:
         if tokens > model.max_seq_len:
             print(json.dumps({"bench": "prefill_context", "tokens": tokens, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "prefill_context", "model": model.checkpoint.path.name, "policy": a.policy,
                           "tokens": tokens, "seconds": round(sec, 2), "tok_per_s": round(tokens / sec, 1),
                           "prefill_chunk": model.prefill_chunk, "kv_dtype": a.kv_dtype, "threads": a.threads,
-                          **commit_info(), **machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+                          **commit_info(), **machine_info(), **run_fields()}), flush=True)
     return 0
 
 

@@ -56,7 +56,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 import ftjax  # noqa: E402
 import ftjax.checkpoint  # noqa: E402
@@ -83,7 +83,7 @@ def machine() -> dict:
 
 
 def emit(kind: str, **fields) -> None:
-    print(json.dumps({"bench": kind, **commit(), "machine": machine(), **fields}), flush=True)
+    print(json.dumps({"bench": kind, **commit(), "machine": machine(), **fields, **run_fields()}), flush=True)
 
 
 def rss_gib() -> float:
@@ -395,7 +395,9 @@ def main() -> None:
     ap.add_argument("--cache-slots", type=int, default=128)
     ap.add_argument("--bandwidth", type=float, nargs=2, default=None, metavar=("B_P", "B_H"))
     ap.add_argument("--no-breakdown", action="store_true")
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
     bench_tiny(args) if args.tiny else bench_micro(args) if args.micro else bench_model(args)
 
 

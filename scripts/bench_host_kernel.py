@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from ftjax.experts.pool import HostExpertPool, canonical_dtype, to_bf16_bits
-from ftjax.experts.profile import machine_info
-from ftjax.runinfo import git_commit
+from ftjax.experts.profile import machine_info as jax_machine_info
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
 from ftjax.host import HostExecutor, Isa, read_bandwidth_samples
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "olmoe-1b-7b": (2048, 1024)}  # expert [D, F]
@@ -88,10 +88,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=10, help="kernel calls per round")
     p.add_argument("--pool-mib", type=int, default=256, help="pool size (>> last-level cache)")
+    add_allow_dirty_argument(p)
     args = p.parse_args(argv)
+    check_clean_or_exit(args.allow_dirty)
     isa = Isa[args.isa.upper()]
-    common = {"commit": git_commit(), "machine": machine_info(), "isa": args.isa, "top_k": args.top_k,
-              "batch": 1}
+    common = {**commit_info(), "machine": {**machine_info(), **jax_machine_info()}, "isa": args.isa,
+              "top_k": args.top_k, "batch": 1, **run_fields()}
     for model in args.models:
         d_model, d_ff = SHAPES[model]
         for dtype in map(canonical_dtype, args.dtypes):

@@ -32,12 +32,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ftjax  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 
 def emit(record: dict) -> None:
-    print(json.dumps({**record, **commit_info(), **machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}),
-          flush=True)
+    print(json.dumps({**record, **commit_info(), **machine_info(), **run_fields()}), flush=True)
 
 
 def deltanet_layer_times(model, lengths: list[int], repeats: int = 3) -> None:
@@ -107,7 +106,7 @@ def decode(path: str, policies: list[str], new: int, threads: int | None, cache_
         wall = time.perf_counter() - t0
         g, st = s.last_generation, model.stats()
         emit({"bench": "hybrid_decode", "model": model.checkpoint.path.name, "policy": policy,
-              "cache_slots": st.get("cache_slots"), "new_tokens": new, "ttft_s": round(g.ttft_s, 3),
+              "cache_slots": st.get("cache_slots"), "prompt_tokens": len(ids), "new_tokens": new, "ttft_s": round(g.ttft_s, 3),
               "decode_tok_per_s": round(g.decode_tok_per_s, 2), "wall_s": round(wall, 2),
               "hits": st["hits"], "misses": st["misses"], "fetched": st["fetched"],
               "host_computed": st["host_computed"], "threads": threads})
@@ -123,7 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-slots", type=int, default=256, help="device expert cache of the cache policies")
     ap.add_argument("--skip", nargs="*", default=[], choices=["layer", "prefill", "decode"])
+    add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
     if "layer" not in a.skip or "prefill" not in a.skip:
         model = ftjax.load(a.model, policy="host", threads=a.threads)
         if "layer" not in a.skip:

@@ -58,7 +58,8 @@ def _runinfo():
     return module
 
 
-commit_info, machine_info = _runinfo().commit_info, _runinfo().machine_info
+RUNINFO = _runinfo()
+commit_info, machine_info, run_fields = RUNINFO.commit_info, RUNINFO.machine_info, RUNINFO.run_fields
 
 
 def commit() -> dict:
@@ -174,7 +175,7 @@ def bench(args) -> None:
         "step_ms": round(step * 1e3, 3), "cpu_ms_per_token": round(cpu_ms, 3), "p90_ms": round(float(np.percentile(ts, 90)) * 1e3, 3),
         "llama_perf": {"t_p_eval_ms": perf.t_p_eval_ms, "n_p_eval": perf.n_p_eval, "t_eval_ms": perf.t_eval_ms,
                        "n_eval": perf.n_eval},
-        "distinct_tokens": len(set(toks)), "first_tokens": toks[:8]}), flush=True)
+        "distinct_tokens": len(set(toks)), "first_tokens": toks[:8], **run_fields()}), flush=True)
 
 
 def contexts(args) -> None:
@@ -205,7 +206,7 @@ def contexts(args) -> None:
                           "prefill_s": round(prefill_s, 2), "prefill_tok_per_s": round(ctx / prefill_s, 1),
                           "ms_per_token": round(ms, 2), "steps": args.new, "n_ctx": n_ctx,
                           "llama_cpp_python": llama_cpp.__version__, **commit(), "machine": machine(),
-                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+                          **run_fields()}), flush=True)
 
 
 def main() -> None:
@@ -222,7 +223,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--contexts", nargs="+", type=int, default=None,
                     help="prefill a prompt of each length, then decode --new tokens at that context")
+    RUNINFO.add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    if not (args.convert or args.quantize):  # the measuring modes write raw lines
+        RUNINFO.check_clean_or_exit(args.allow_dirty)
     if not args.extra_bufts and not args.convert:
         no_extra_buffer_types()
     if args.convert:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ftjax.bench.paper import this_machine  # noqa: E402
 from ftjax.bench.qsweep import measure_shape  # noqa: E402
 from ftjax.experts.profile import measure  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 
 def main() -> None:
@@ -36,7 +36,9 @@ def main() -> None:
     ap.add_argument("--misses", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
     d, f = args.shape
     profile = measure((d, f), args.dtype, args.threads, top_k=8)
     hw = this_machine(profile)
@@ -52,7 +54,7 @@ def main() -> None:
             "host_path_ms": [round(t * 1e3, 4) for t in sw["host_path_s"]], "best_q": sw["measured_best_q"],
             "q_star": sw["q_star"], "q_star_slowdown": round(sw["q_star_slowdown"], 4),
             "calibrated": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in cal.items()},
-            "within_10pct": cal["slowdown"] <= 1.10}), flush=True)
+            "within_10pct": cal["slowdown"] <= 1.10, "threads": args.threads, **run_fields()}), flush=True)
 
 
 if __name__ == "__main__":

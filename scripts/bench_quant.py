@@ -38,14 +38,14 @@ import ftjax  # noqa: E402
 from ftjax.bench.quality import held_out_nll  # noqa: E402
 from ftjax.experts.pool import HostExpertPool, to_bf16_bits  # noqa: E402
 from ftjax.host import HostExecutor, read_bandwidth_gbps  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 FORMATS = {"bfloat16": "bfloat16", "int8": "q8_0", "int4": "q4_0", "q4_k": "q4_k", "q6_k": "q6_k",
            "mxfp4": "mxfp4", "fp8_e4m3": "fp8_e4m3", "q4_k/q6_k": "q4_k/q6_k", "q4_k_or_q6_k": "q4_k_or_q6_k"}
 
 
 def emit(kind: str, **fields) -> None:
-    print(json.dumps({"bench": kind, **commit_info(), "machine": machine_info(), **fields}), flush=True)
+    print(json.dumps({"bench": kind, **commit_info(), "machine": machine_info(), **fields, **run_fields()}), flush=True)
 
 
 def perplexity(tokens: int, formats: list[str]) -> None:
@@ -163,7 +163,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64, help="experts in the kernel pool (default: 64)")
     ap.add_argument("--dense-dtypes", nargs="+", default=["default"],
                     help="dense storage per whole-model line: default | float32 | bfloat16 | int8 (folders)")
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
     if not args.skip_ppl:
         perplexity(args.ppl_tokens, args.formats)
     if not args.skip_kernel:

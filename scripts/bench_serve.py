@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 MODEL = "ftjax-default"
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
     ap.add_argument("--seed", type=int, default=0)
+    add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
     port = _free_port()
     proc = start_server(a, port)
     try:
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
             if samples else None,
             "server_peak_rss_mib": rss_end.get("peak_rss_mib"),
             "scheduler": stats.get("sessions") if isinstance(stats, dict) else None,
-            **commit_info(), **machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            **commit_info(), **machine_info(), **run_fields()}
     print(json.dumps(line), flush=True)
     return 0 if not failures else 1
 

@@ -72,7 +72,7 @@ from bench_serve import MODEL, REPO, _free_port, one, pct, rss  # noqa: E402  (a
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 SYSTEM = ("You are a coding agent working in a Python repository. Use the tools to look at the code, "
           "then explain the fix briefly.")
@@ -484,7 +484,9 @@ def main(argv=None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=600, help="s to wait for the server's /health")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 sessions x 4 turns, 40 short requests")
+    add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
     if a.quick:
         a.sessions, a.turns, a.short = 2, 4, 40
     port = _free_port()
@@ -498,8 +500,7 @@ def main(argv=None) -> int:
         messages = [m for m in server_log(server_err).splitlines()
                     if m.strip() and "compiled the engine's programs" not in m and " on http://" not in m]
     line.update({"server_shutdown_s": shutdown_s, "server_exit_code": proc.returncode,
-                 "server_messages": messages[-5:], **commit_info(), **machine_info(),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                 "server_messages": messages[-5:], **commit_info(), **machine_info(), **run_fields()})
     print(json.dumps(line), flush=True)
     return 0 if not line["hung"] and not line["errors"] else 1
 

@@ -26,7 +26,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from ftjax.runinfo import commit_info, machine_info  # noqa: E402
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList  # noqa: E402
@@ -82,7 +82,8 @@ def bench(model_dir: str, dtype: str, threads: int, prompt_len: int, new: int) -
         "prompt_tokens": prompt_len, "new_tokens": new, "greedy": True, "load_s": round(load_s, 2),
         "prefill_ms": round((stamps[0] - t0) * 1e3, 2), "prompt_tok_per_s": round(prompt_len / (stamps[0] - t0), 2),
         "tok_per_s": round(1 / step, 3), "step_ms": round(step * 1e3, 3), "cpu_ms_per_token": round(cpu_ms, 3),
-        "p90_ms": round(float(np.percentile(ts, 90)) * 1e3, 3), "first_tokens": toks[:8]}), flush=True)
+        "p90_ms": round(float(np.percentile(ts, 90)) * 1e3, 3), "first_tokens": toks[:8], **run_fields()}),
+          flush=True)
     del model
     gc.collect()
 
@@ -94,7 +95,9 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
     for d in args.dtype:
         bench(args.model, d, args.threads, args.prompt, args.new)
 

@@ -21,12 +21,12 @@ import numpy as np
 
 import ftjax
 from ftjax.bench.prefill import prefill_overlap
-from ftjax.runinfo import commit_info, machine_info
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
 
 
 def emit(record: dict) -> None:
-    print(json.dumps({**record, **commit_info(), "machine": machine_info(), "backend": jax.default_backend()}),
-          flush=True)
+    print(json.dumps({**record, **commit_info(), "machine": machine_info(), "backend": jax.default_backend(),
+                      **run_fields()}), flush=True)
 
 
 def model_config(path: str | None):
@@ -46,7 +46,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the embedded model)")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of the prefill breakdown")
+    add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    check_clean_or_exit(args.allow_dirty)
 
     cfg = model_config(args.model)
     slots = max(1, cfg.num_moe_layers * cfg.num_experts // 4)

@@ -189,7 +189,7 @@ def test_end_to_end_quick_off(tmp_path):
     out = tmp_path / "agent"
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "ftjax.cli", "bench", "agent", "--out", str(out), "--quick",
-                        "--modes", "off", "--no-warmup"], capture_output=True, text=True, env=env, timeout=600,
+                        "--modes", "off", "--no-warmup", "--allow-dirty"], capture_output=True, text=True, env=env, timeout=600,
                        cwd=Path(__file__).parents[1])
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])

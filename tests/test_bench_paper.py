@@ -19,7 +19,8 @@ TINY = PaperSettings.quick(
     texts=("austen", "kjv"), prompt_tokens=24, prompts_per_text=1, decode_tokens=16, trace_cache_len=1024,
     chat_turns=2, chat_turn_tokens=8, fractions=(0.1, 0.25, 0.5, 0.75), check_prompts=2, run_tokens=12,
     validate_runs=(("lru-transfer-only", 0.25), ("host", 0.0)), q_repeats=2, q_miss_multiples=(1,),
-    reference_shape=False, sim_tokens=16, profile_seconds=0.02, profile_working_set_mib=16, prefill_tokens=0, threads=2)
+    reference_shape=False, sim_tokens=16, profile_seconds=0.02, profile_working_set_mib=16, prefill_tokens=0, threads=2,
+    state_cache_tokens=96, state_cache_turn_tokens=16, state_cache_repeats=2, memory_tokens=300)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_runs_clean_and_writes_every_artifact(run):
     out, summary = run
     assert summary["errors"] is None, summary["errors"]
     for name in ("cache_policies.json", "q_sweep.json", "simulator.json", "summary.json", "report.md",
-                 "traces/index.json", "traces/chat-agent.txt"):
+                 "traces/index.json", "traces/chat-agent.txt", "engine_checks.json"):
         assert (out / name).is_file(), name
     for png in ("miss_rate.png", "q_sweep.png", "decode_tok_s.png"):
         assert (out / png).stat().st_size > 1000, png
@@ -115,8 +116,25 @@ def test_report_has_paper_tables_and_verdicts(run):
     assert "skipped (prefill_tokens = 0)" in md
 
 
+def test_state_cache_and_memory_budget_are_measured_not_assumed(run):
+    out, summary = run
+    doc = json.loads((out / "engine_checks.json").read_text())
+    sc = doc["state_cache"]
+    assert sc["available"] and sc["cuttable"] is True  # qwen3_moe: attention only
+    assert sc["reused_tokens"] == [TINY.state_cache_tokens] * TINY.state_cache_repeats and sc["same_next_token"]
+    mem = doc["device_memory"]
+    assert mem["available"] and mem["releases_bytes"] is False and mem["steps"]
+    buffers = {mem["start"]["cache_buffer_bytes"]} | {s["cache_buffer_bytes"] for s in mem["steps"]}
+    assert len(buffers) == 1  # slots are disabled inside the buffer, never freed
+    md = (out / "report.md").read_text()
+    assert "not implemented in this build" not in md
+    assert "State caching saves re-prefill" in md and "RELEASES_DEVICE_BYTES is False" in md
+    assert summary["state_cache"]["available"] and summary["device_memory"]["releases_bytes"] is False
+
+
 def test_cli_rejects_a_missing_model(tmp_path, capsys):
-    rc = main_bench(["paper", "--quick", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "nope")])
+    rc = main_bench(["paper", "--quick", "--allow-dirty", "--out", str(tmp_path / "o"), "--model",
+                     str(tmp_path / "nope")])
     assert rc == 1
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "setup" in summary["errors"]

@@ -116,7 +116,8 @@ def test_missing_rows_give_missing_not_a_crash():
     assert find(vs, "`reuse-rate`")[0] == REPRODUCED  # the rows it needs are there
 
 
-@pytest.mark.parametrize("group", ["cache", "traces", "q_sweep", "profiles", "validation", "prefill", "simulator"])
+@pytest.mark.parametrize("group", ["cache", "traces", "q_sweep", "profiles", "validation", "prefill", "simulator",
+                                   "state_cache", "device_memory"])
 def test_malformed_groups_give_missing_and_everything_still_renders(group, tmp_path):
     r = results("gpu")
     r[group] = {"unexpected": 1}  # a stage that wrote something else
@@ -151,9 +152,105 @@ def test_summary_reports_accelerator_and_verdict_counts(tmp_path):
     s = report.summary(results("cpu"), tmp_path)
     assert s["accelerator"] is False and s["missing"] is None
     assert s["verdicts"][REPRODUCED] == len(MEASURED) and s["verdicts"][REFUTED] == 0
-    assert s["verdicts"][CANNOT] == len(LINK) + 4  # + the four claims no run here can test
+    assert s["verdicts"][CANNOT] == len(LINK) + 5  # absolute speeds, 64k-token TTFT, and the state-cache pair
+    # and elastic VRAM, which these results did not measure
     g = report.summary(results("gpu"), tmp_path)
     assert g["accelerator"] is True and g["verdicts"][REPRODUCED] == len(MEASURED) + len(LINK)
     bad = copy.deepcopy(results("cpu"))
     bad["validation"]["rows"] = [{"policy": "lru"}]
     assert report.summary(bad, tmp_path)["missing"]
+
+
+# ---- the state cache and the device memory budget: decided by what the stages measured
+
+STATE = "State caching saves re-prefill"
+BOUNDS = "Snapshots at </think>"
+ELASTIC = "Elastic VRAM"
+
+
+def state_cache(**kw) -> dict:
+    base = {"available": True, "mode": "semantic", "cuttable": True, "prefix_tokens": 384, "turn_tokens": 448,
+            "repeats": 3, "reused_tokens": [384, 384, 384], "t_off_s": [0.1] * 3, "t_reuse_s": [0.02] * 3,
+            "t_off_median_s": 0.1, "t_reuse_median_s": 0.02, "same_next_token": True}
+    return {**base, **kw}
+
+
+def device_memory(releases=False, shrink_buffer=False, refused=None) -> dict:
+    mib = 2 ** 20
+    steps = [{"tokens": t, "capacity": t, "states_bytes": t * 6144, "active_slots": a,
+              "cache_buffer_bytes": (a if shrink_buffer else 96) * 192 * 1024} for t, a in ((128, 95), (1023, 60))]
+    return {"available": True, "releases_bytes": releases, "budget_bytes": 64 * mib, "weights_bytes": 40 * mib,
+            "scratch_bytes": 6 * mib, "slot_bytes": 192 * 1024, "max_slots": 96,
+            "start": {"active_slots": 96, "cache_buffer_bytes": 96 * 192 * 1024}, "steps": steps, "refused": refused,
+            "active_slots_after_close": 96, "counters": {"shrinks": 2, "grows": 1, "refused": 0}}
+
+
+def test_state_cache_reuse_is_decided_by_its_measurement():
+    r = results("cpu")
+    r["state_cache"] = state_cache()
+    verdict, evidence = find(verdicts(r), STATE)
+    assert verdict == REPRODUCED and "Rule: " in evidence and "384, 384, 384" in evidence and "5.00x" in evidence
+    for bad in (dict(reused_tokens=[384, 200, 384]), dict(t_reuse_median_s=0.2), dict(same_next_token=False)):
+        r["state_cache"] = state_cache(**bad)
+        assert find(verdicts(r), STATE)[0] == REFUTED, bad
+
+
+@pytest.mark.parametrize("cuttable,why", [(True, "cuttable"), (False, "recurrent state")])
+def test_boundary_snapshots_say_why_this_run_cannot_test_them(cuttable, why):
+    r = results("gpu")
+    r["state_cache"] = state_cache(cuttable=cuttable)
+    verdict, evidence = find(verdicts(r), BOUNDS)
+    assert verdict == CANNOT and why in evidence and "ftjax bench agent" in evidence
+
+
+def test_state_cache_that_could_not_run_gives_the_reason_and_a_failed_stage_missing():
+    r = results("cpu")
+    r["state_cache"] = {"available": False, "reason": "ftjax.engine.state_cache does not import (boom)"}
+    vs = verdicts(r)
+    assert find(vs, STATE) == (CANNOT, "ftjax.engine.state_cache does not import (boom)")
+    assert find(vs, BOUNDS)[0] == CANNOT
+    del r["state_cache"]
+    r["errors"] = {"state cache": "RuntimeError: boom"}
+    assert find(verdicts(r), STATE) == (MISSING, "the `state cache` stage failed: RuntimeError: boom")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_elastic_vram_cannot_be_reproduced_by_a_build_that_keeps_the_bytes(platform):
+    r = results(platform)
+    r["device_memory"] = device_memory()
+    verdict, evidence = find(verdicts(r), ELASTIC)
+    assert verdict == CANNOT
+    assert "RELEASES_DEVICE_BYTES is False" in evidence and "kept its size" in evidence
+    assert "left 60 of 96 slots active" in evidence and "18.0 MiB before" in evidence  # what it measured
+    assert ("no accelerator" in evidence) == (platform == "cpu")
+
+
+def test_elastic_vram_is_decided_on_an_accelerator_when_the_build_frees_bytes():
+    r = results("gpu")
+    r["device_memory"] = device_memory(releases=True, shrink_buffer=True)
+    verdict, evidence = find(verdicts(r), ELASTIC)
+    assert verdict == REPRODUCED and "Rule: " in evidence
+    r["device_memory"] = device_memory(releases=True, shrink_buffer=True, refused={"tokens": 2047, "error": "x"})
+    assert find(verdicts(r), ELASTIC)[0] == REFUTED
+    r = results("cpu")
+    r["device_memory"] = device_memory(releases=True, shrink_buffer=True)
+    assert find(verdicts(r), ELASTIC)[0] == CANNOT  # no separate device memory to run out of
+
+
+def test_scale_claims_name_what_this_run_lacks():
+    r = results("cpu")
+    r["model"] = {"model_type": "qwen3_moe", "expert_pool_bytes": 3 * 2 ** 20, "max_seq_len": 2048}
+    vs = verdicts(r)
+    speeds, ttft = find(vs, "Absolute decode speeds"), find(vs, "Worst-case TTFT")
+    assert speeds[0] == CANNOT and "no accelerator" in speeds[1] and "qwen3_moe" in speeds[1]
+    assert ttft[0] == CANNOT and "2048 tokens" in ttft[1]
+    r["machine"] = {"platform": "gpu", "device_kind": "NVIDIA GeForce RTX 5090"}
+    r["model"]["max_seq_len"] = 65536
+    ttft = find(verdicts(r), "Worst-case TTFT")
+    assert ttft[0] == CANNOT and "does not replay" in ttft[1] and "no accelerator" not in ttft[1]
+
+
+def test_no_verdict_is_fixed_text():
+    for r in (results("cpu"), results("gpu")):
+        r["state_cache"], r["device_memory"] = state_cache(), device_memory()
+        assert not any("not implemented" in e for _, _, e in report.claims(r))

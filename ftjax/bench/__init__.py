@@ -1,14 +1,17 @@
 """`ftjax bench ...`: benchmarks that regenerate the paper's experiments.
 
-    ftjax bench paper --out DIR [--quick] [--model DIR] [--threads N]
-    ftjax bench agent --out DIR [--quick] [--model DIR] [--modes off prefix semantic]
+    ftjax bench paper --out DIR [--quick] [--model DIR] [--threads N] [--allow-dirty]
+    ftjax bench agent --out DIR [--quick] [--model DIR] [--modes off prefix semantic] [--allow-dirty]
 
 Modules: traces (routing traces of real runs), cachelab (miss-rate curves, the LRU
 check against the runtime), qsweep (bandwidth split, predicted and measured), decode
 (simulated decode per machine, simulator vs measured), prefill (streamed prefill
 overlap), report (report.md, claims, summary), paper (the stages, in order);
 agent (agent transcripts replayed against `ftjax serve`: tail TTFT per state-cache mode).
-Progress goes to stderr; the last stdout line is one JSON summary.
+Progress goes to stderr; the last stdout line is one JSON summary, with the commit and
+whether the tree was dirty. Both refuse to start on a tree with uncommitted changes to
+tracked files unless given --allow-dirty (`ftjax.runinfo.require_clean`): results worth
+keeping are the ones a commit reproduces.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import json
 import os
 import sys
+
+from ftjax.runinfo import DirtyTreeError, add_allow_dirty_argument, require_clean
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     paper.add_argument("--texts", nargs="+", default=None, help="held-out corpus texts to trace (default: all)")
     paper.add_argument("--no-reference-shape", action="store_true",
                        help="skip the q sweep and profile with Qwen3-30B-A3B-shaped experts")
+    add_allow_dirty_argument(paper)
     _add_agent_parser(sub)
     return p
 
@@ -59,6 +65,7 @@ def _add_agent_parser(sub) -> None:
                    help="send the transcripts with the history rewrites agents do, or append-only")
     a.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to serve as it is (repeatable; e.g. --serve-arg=--policy --serve-arg=host)")
+    add_allow_dirty_argument(a)
 
 
 def _main_agent(args) -> int:
@@ -84,6 +91,11 @@ def _main_agent(args) -> int:
 
 def main_bench(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        require_clean(args.allow_dirty)
+    except DirtyTreeError as e:
+        print(f"ftjax bench {args.command}: error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if args.command == "agent":
         return _main_agent(args)

@@ -545,9 +545,13 @@ def run_agent(out: str | Path, settings: AgentSettings | None = None, log: Calla
     write_markdown(doc, out / "agent.md")
     errors = sum(r["error"] is not None for r in doc["records"])
     errors += sum(i["status"] == "error" for i in doc["modes"].values())
-    return {"out": str(out), "commit": doc["commit"]["commit"], "elapsed_s": doc["elapsed_s"],
+    return {"bench": "agent", "out": str(out), **doc["commit"], "machine": doc["machine"], "time": doc["started"],
+            "model": s.model or "default", "history": s.history, "elapsed_s": doc["elapsed_s"],
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)
                                                          for q in ("p50", "p95", "max")}
                         for r in doc["summary"] if r.get("ok")},
+            "prompt_tokens": {f"{r['workload']}/{r['mode']}": {"prefilled": r["prefilled_tokens"],
+                                                                "reused": r["reused_tokens"]}
+                              for r in doc["summary"] if r.get("ok") and r.get("reuse_reported")},
             "verdicts": doc["verdicts"], "errors": errors}

@@ -2,11 +2,13 @@
 
     profile (B_P, B_H) --> traces (device policy: text decode + agent chat) --> cache lab
         --> q sweep (predicted + measured) --> runtime runs (LRU check, validation, prefill)
-        --> simulator (paper machines, this machine) --> report.md + one JSON line
+        --> simulator (paper machines, this machine) --> state cache, device memory budget
+        --> report.md + one JSON line
 
 Files in the output folder:
     traces/*.npz, traces/index.json, traces/chat-agent.txt   routing traces (lab.Trace) + stats
     cache_policies.json, miss_rate.png       miss-rate curves (+ warm start, LRU-vs-runtime check)
+    engine_checks.json                       the state cache's reuse and the device memory budget, measured
     q_sweep.json, q_sweep.png                layer time vs q: predicted and measured
     simulator.json, decode_tok_s.png         simulated tok/s per machine / policy + validation
     prefill_overlap.json, prefill_overlap.png
@@ -33,13 +35,14 @@ import numpy as np
 from ftjax.config import read_config_json
 from ftjax.data import corpus
 from ftjax.experts.profile import DEFAULT_SHAPE, machine_info, measure
-from ftjax.runinfo import git_commit
+from ftjax.runinfo import commit_info
+from ftjax.runinfo import machine_info as cpu_info
 from ftjax.lab.geometry import ModelGeometry, qwen3_30b_a3b
 from ftjax.lab.machines import PAPER_MACHINES, HardwareProfile, from_profile
 from ftjax.lab.report import plot_miss_rates
 from ftjax.model import DEFAULT_MODEL_DIR, bucket
 
-from ftjax.bench import cachelab, decode, prefill, qsweep, report, traces
+from ftjax.bench import cachelab, decode, engine_checks, prefill, qsweep, report, traces
 from ftjax.bench.plots import decode_figure, prefill_figure
 
 
@@ -72,6 +75,10 @@ class PaperSettings:
     profile_working_set_mib: float | None = None  # None: 4x the last-level cache, >= 1 GiB (honest DRAM numbers)
     prefill_tokens: int = 512  # 0: skip the prefill-overlap stage
     prefill_repeats: int = 3
+    state_cache_tokens: int = 384  # cached prefix of an agent turn; 0: skip the state-cache stage
+    state_cache_turn_tokens: int = 64  # tokens the turn adds to it
+    state_cache_repeats: int = 3
+    memory_tokens: int = 1024  # a session grown to this many tokens under a device budget; 0: skip
     threads: int | None = None
 
     @classmethod
@@ -83,7 +90,8 @@ class PaperSettings:
         base = dict(prompts_per_text=6, decode_tokens=160, trace_cache_len=2048, chat_turns=6,
                     chat_turn_tokens=96, check_prompts=3, run_tokens=128, q_repeats=25, sim_tokens=256,
                     validate_rounds=5,
-                    profile_seconds=1.0, prefill_tokens=1536, prefill_repeats=5,
+                    profile_seconds=1.0, prefill_tokens=1536, prefill_repeats=5, state_cache_tokens=1536,
+                    state_cache_turn_tokens=256, state_cache_repeats=5, memory_tokens=2047,
                     validate_runs=(("lru-transfer-only", 0.25), ("lru", 0.25), ("static-frequency", 0.25),
                                    ("static-layer", 0.5), ("lru-transfer-only", 0.5), ("lru", 0.1),
                                    ("host", 0.0), ("device", 1.0)))
@@ -132,7 +140,7 @@ class Bench:
             "path": str(self.model_dir), "embedded": self.model_dir.resolve() == DEFAULT_MODEL_DIR.resolve(),
             "model_type": hf.get("model_type"), "num_layers": cfg.num_layers, "num_moe_layers": cfg.num_moe_layers,
             "num_experts": cfg.num_experts, "top_k": cfg.top_k, "d_model": cfg.d_model, "d_ff": cfg.d_ff_expert,
-            "dtype": pool.dtype, "expert_bytes": pool.expert_bytes,
+            "dtype": pool.dtype, "expert_bytes": pool.expert_bytes, "max_seq_len": probe.max_seq_len,
             "expert_pool_bytes": pool.expert_bytes * cfg.num_moe_layers * cfg.num_experts}
 
     def profile(self) -> None:
@@ -350,6 +358,30 @@ class Bench:
         self.log("simulated: " + ", ".join(f"{r['geometry']}/{r['machine']} {r['speedup']:.2f}x"
                                            for r in self.results["simulator"]["speedups"]))
 
+    def state_cache(self) -> None:
+        s, model = self.settings, self.models["device"]
+        valid = corpus.split(s.texts[-1])[1]
+        ids = model.tokenizer.encode(valid)
+        r = engine_checks.state_cache_reuse(model, ids, s.state_cache_tokens, s.state_cache_turn_tokens,
+                                            s.state_cache_repeats, self.log)
+        self.results["state_cache"] = r
+        self._write_engine_json()
+        if not r["available"]:
+            self.log(f"state cache: {r['reason']}")
+
+    def device_memory(self) -> None:
+        s = self.settings
+        slots = max(1, int(round(s.check_fraction * self.geometry.num_expert_slots_total)))
+        r = engine_checks.memory_budget(self.model_dir, slots, s.threads, s.memory_tokens, self.log)
+        self.results["device_memory"] = r
+        self._write_engine_json()
+        if not r["available"]:
+            self.log(f"device memory: {r['reason']}")
+
+    def _write_engine_json(self) -> None:
+        doc = {k: self.results.get(k) for k in ("state_cache", "device_memory")}
+        (self.out / "engine_checks.json").write_text(json.dumps(doc, indent=1, default=_json) + "\n")
+
     def write_outputs(self) -> None:
         sim = self.results.get("simulator", {})
         val = self.results.get("validation", {})
@@ -386,7 +418,8 @@ def run_paper(out: str | Path, model: str | None = None, settings: PaperSettings
     settings = settings or (PaperSettings.quick() if quick else PaperSettings.full())
     log = log or (lambda m: print(f"[{time.perf_counter() - t0:7.1f}s] {m}", file=sys.stderr, flush=True))
     b = Bench(out, model, settings, quick, log)
-    b.results.update(commit=git_commit(), machine=machine_info(), settings=dataclasses.asdict(settings),
+    b.results.update(**commit_info(), machine={**cpu_info(), **machine_info()},
+                     settings=dataclasses.asdict(settings),
                      quick=quick, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      loadavg_start=os.getloadavg())
     b.stage("setup", b.setup)
@@ -402,6 +435,8 @@ def run_paper(out: str | Path, model: str | None = None, settings: PaperSettings
             b.stage("validation", b.validation)
             b.stage("simulator", b.simulator)
         b.stage("prefill overlap", b.prefill)
+        b.stage("state cache", b.state_cache)
+        b.stage("device memory", b.device_memory)
         b.stage("outputs", b.write_outputs)
     b.results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     b.results["loadavg_end"] = os.getloadavg()

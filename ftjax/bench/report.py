@@ -27,6 +27,8 @@ PAPER_MISS = {"Qwen (paper)": (0.16, 0.41, 0.62), "DeepSeek-V4-Flash (paper)": (
 PAPER_SPEEDUP = (1.8, 2.3)  # Qwen3.6-35B-A3B on one RTX 5090, over the best baseline
 PAPER_DECODE = ("Qwen3.6-35B-A3B 77-83 tok/s on RTX 5090; 35B-class 39.3 tok/s on RTX 4060 laptop; "
                 "753B 14.9 tok/s on RTX PRO 6000")
+PAPER_GPUS = ("RTX 5090", "RTX 4060", "RTX PRO 6000")  # the cards of PAPER_DECODE
+PAPER_SESSION_TOKENS = 56_000  # the paper's agent sessions run 56k-65k tokens
 REPRODUCED, REFUTED, CANNOT, MISSING = "REPRODUCED", "REFUTED", "CANNOT TEST", "MISSING"
 VERDICTS = (REPRODUCED, REFUTED, CANNOT, MISSING)
 
@@ -595,25 +597,126 @@ def _claims_prefill(r: dict) -> list[tuple[str, str, str]]:
                         "T_prefill / max(T_transfer, T_compute) <= 1.2, else REFUTED.")]
 
 
-def _claims_fixed(r: dict) -> list[tuple[str, str, str]]:
-    return [
-        (f"Absolute decode speeds ({PAPER_DECODE}).", CANNOT,
-         "none of the paper's GPUs and no 35B-753B checkpoint here (the embedded model is a few MB of experts); "
-         "absolute tok/s of a tiny model says nothing about them."),
-        ("Worst-case TTFT under ~44 s on 56-65k-token agent sessions; baselines in the hundreds of seconds.",
-         CANNOT, "needs a GPU, a 35B-class model and 64k-token contexts (the embedded model's context is "
-                 "2k tokens)."),
-        ("Semantic-aware state caching at </think>, </tool_call>, </tool_output> boundaries saves re-prefill.",
-         CANNOT, "not implemented in this build; our chat trace only records routing across such blocks."),
-        ("Elastic VRAM: shrinking the expert cache as the KV cache grows avoids OOM without hurting decode.",
-         CANNOT, "not implemented in this build" + ("" if has_accelerator(r) else ", and with no accelerator there "
-                                                    "is no separate device memory to run out of") + "."),
-    ]
+def _claims_scale(r: dict) -> list[tuple[str, str, str]]:
+    """The paper's absolute figures: what they need (its cards, its checkpoints, its session
+    lengths) against what this run had, from the recorded machine and model."""
+    mach, m = r.get("machine") or {}, r.get("model") or {}
+    device = mach.get("device_kind") if has_accelerator(r) else None
+    paper_card = bool(device) and any(g.lower() in str(device).lower() for g in PAPER_GPUS)
+    where = (f"this machine's device is {device}" if device else "no accelerator here (jax backend "
+             f"`{mach.get('platform') or 'cpu'}`)") + ("" if paper_card else
+                                                        f", none of the paper's cards ({', '.join(PAPER_GPUS)})")
+    pool = m.get("expert_pool_bytes")
+    size = (f"{pool / 2**30:.1f} GiB" if pool >= 2**30 else f"{pool / 2**20:.1f} MiB") if pool else ""
+    model = f"the model is `{m.get('model_type')}` with {size} of experts" if pool else "no model was loaded"
+    speeds = (f"{where}; {model}, not one of the paper's checkpoints: `bench paper` times the model it loads, which "
+              f"says nothing about the paper's absolute tok/s.")
+    ctx = m.get("max_seq_len")
+    needs = [] if paper_card else [where]
+    if not isinstance(ctx, int) or ctx < PAPER_SESSION_TOKENS:
+        needs.append(f"the model's context is {ctx if ctx else 'unknown'} tokens, the paper's sessions "
+                     f"{PAPER_SESSION_TOKENS // 1000}k-65k")
+    ttft = "; ".join(needs) if needs else ("`bench paper` does not replay agent sessions of that length (`ftjax bench "
+                                          "agent --model DIR --scale N` does)")
+    return [(f"Absolute decode speeds ({PAPER_DECODE}).", CANNOT, speeds),
+            ("Worst-case TTFT under ~44 s on 56-65k-token agent sessions; baselines in the hundreds of seconds.",
+             CANNOT, ttft + ".")]
+
+
+def _stage_absent(r: dict, key: str, stage: str, claim: str) -> tuple[str, str, str] | None:
+    """The verdict for a claim whose stage left no result: MISSING with the stage's error if
+    it failed, else CANNOT TEST (this run did not measure it); None if there is a result."""
+    if r.get(key):
+        return None
+    error = (r.get("errors") or {}).get(stage)
+    if error:
+        return claim, MISSING, f"the `{stage}` stage failed: {error}"
+    return claim, CANNOT, f"this run recorded no `{key}` measurement (the `{stage}` stage did not run)."
+
+
+def _claims_state_cache(r: dict) -> list[tuple[str, str, str]]:
+    """From what the `state cache` stage measured (`engine_checks.state_cache_reuse`)."""
+    reuse = "State caching saves re-prefill: a turn that extends a cached conversation prefills only its new tokens."
+    bounds = ("Snapshots at </think>, </tool_call>, </tool_output> boundaries keep the reuse when an agent rewrites "
+              "its history (semantic-aware caching).")
+    absent = _stage_absent(r, "state_cache", "state cache", reuse)
+    if absent:
+        return [absent, (bounds, absent[1], absent[2])]
+    sc = r["state_cache"]
+    if not sc["available"]:
+        return [(reuse, CANNOT, sc["reason"]), (bounds, CANNOT, sc["reason"])]
+    full = all(n == sc["prefix_tokens"] for n in sc["reused_tokens"])
+    faster = sc["t_reuse_median_s"] < sc["t_off_median_s"]
+    ok = full and faster and sc["same_next_token"]
+    evidence = (f"{sc['repeats']} rounds of a {sc['turn_tokens']}-token turn whose first {sc['prefix_tokens']} tokens "
+                f"were cached ({sc['mode']} mode): tokens reused {', '.join(map(str, sc['reused_tokens']))}; TTFT "
+                f"(prefill to the first token's logits) median {sc['t_reuse_median_s'] * 1e3:.1f} ms with the cache "
+                f"against {sc['t_off_median_s'] * 1e3:.1f} ms prefilling the whole turn "
+                f"({sc['t_off_median_s'] / sc['t_reuse_median_s']:.2f}x); the next greedy token "
+                f"{'equals' if sc['same_next_token'] else 'DIFFERS from'} the uncached one. Rule: REPRODUCED if every "
+                f"round reuses the whole cached prefix, the next token is unchanged and the median TTFT with the "
+                f"cache is below the median without, else REFUTED.")
+    if sc["cuttable"]:
+        why = ("this model's state is attention only (cuttable): a restore reuses up to the first changed token "
+               "wherever it is, so boundary snapshots are not taken and there is nothing for them to keep. They "
+               "matter on a model with a recurrent state (Gated DeltaNet): `ftjax bench agent --model HYBRID` replays "
+               "rewritten agent histories per --state-cache mode.")
+    else:
+        why = ("this model has a recurrent state, where boundary snapshots matter, but `bench paper` times a turn "
+               "that extends its history; rewritten histories are what `ftjax bench agent` replays (TTFT per "
+               "--state-cache mode, prefix against semantic).")
+    return [(reuse, REPRODUCED if ok else REFUTED, evidence), (bounds, CANNOT, why)]
+
+
+def _claims_memory(r: dict) -> list[tuple[str, str, str]]:
+    """From what the `device memory` stage measured (`engine_checks.memory_budget`) and what
+    this build says it can do (`engine.memory.RELEASES_DEVICE_BYTES`, checked against the
+    buffer sizes it measured)."""
+    claim = "Elastic VRAM: shrinking the expert cache as the KV cache grows avoids OOM without hurting decode."
+    absent = _stage_absent(r, "device_memory", "device memory", claim)
+    if absent:
+        return [absent]
+    m = r["device_memory"]
+    if not m["available"]:
+        return [(claim, CANNOT, m["reason"])]
+    mib = 2 ** 20
+    steps = m["steps"]
+    last = steps[-1] if steps else {"tokens": 0, "states_bytes": 0, "active_slots": m["start"]["active_slots"],
+                                    "cache_buffer_bytes": m["start"]["cache_buffer_bytes"]}
+    buffers = [m["start"]["cache_buffer_bytes"]] + [s["cache_buffer_bytes"] for s in steps]
+    shrank = last["active_slots"] < m["start"]["active_slots"]
+    freed = min(buffers) < buffers[0]
+    refused = m.get("refused")
+    measured = (f"Measured: under a budget of {m['budget_bytes'] / mib:.1f} MiB (weights {m['weights_bytes'] / mib:.1f} "
+                f"+ prefill scratch {m['scratch_bytes'] / mib:.1f} + all {m['max_slots']} expert slots of "
+                f"{m['slot_bytes'] / mib:.2f} MiB), a session grown to {last['tokens']} tokens (state "
+                f"{last['states_bytes'] / mib:.1f} MiB) left {last['active_slots']} of {m['start']['active_slots']} "
+                f"slots active" + (f"; growing to {refused['tokens']} tokens was refused up front" if refused else "")
+                + f"; {m['active_slots_after_close']} were active again after it closed. The expert-cache buffer "
+                f"held {buffers[0] / mib:.1f} MiB before and {min(buffers) / mib:.1f}-{max(buffers) / mib:.1f} MiB "
+                f"while the session grew.")
+    if not (m["releases_bytes"] and freed):
+        return [(claim, CANNOT,
+                 "this build disables expert slots inside an unchanged cache buffer (engine.memory."
+                 f"RELEASES_DEVICE_BYTES is {m['releases_bytes']}; the buffer {'shrank' if freed else 'kept its size'})"
+                 ": the bytes stay allocated, so nothing goes back for the KV cache and the budget can refuse a "
+                 "state up front but cannot spare the device's allocator an OOM" +
+                 ("" if has_accelerator(r) else "; and with no accelerator there is no separate device memory to run "
+                                                "out of") + f". {measured}")]
+    if not has_accelerator(r):
+        return [(claim, CANNOT, f"no accelerator (jax backend `cpu`): there is no separate device memory to run out "
+                                f"of. {measured}")]
+    ok = shrank and freed and not refused
+    return [(claim, REPRODUCED if ok else REFUTED,
+             f"{measured} Decode speed with the smaller cache is not measured by this stage. Rule: REPRODUCED if the "
+             f"active slots and the buffer shrank as the state grew and the session reached its length without a "
+             f"refusal, else REFUTED.")]
 
 
 CLAIM_GROUPS = (("cache", _claims_cache), ("traces", _claims_traces), ("q_sweep", _claims_q),
                 ("profiles", _claims_profiles), ("simulator", _claims_simulator),
-                ("validation", _claims_validation), ("prefill", _claims_prefill), ("fixed", _claims_fixed))
+                ("validation", _claims_validation), ("prefill", _claims_prefill), ("scale", _claims_scale),
+                ("state_cache", _claims_state_cache), ("device_memory", _claims_memory))
 
 
 def claims(r: dict) -> list[tuple[str, str, str]]:
@@ -695,13 +798,20 @@ def _summary_parts(r: dict) -> list[tuple[str, Any]]:
         ("validation", validation),
         ("simulator", lambda r: {"speedup": {f"{x['geometry']}/{x['machine']}": round(x["speedup"], 3)
                                              for x in r["simulator"]["speedups"]}}),
+        ("state_cache", lambda r: {"state_cache": {k: r["state_cache"][k] for k in (
+            "available", "reason", "reused_tokens", "t_off_median_s", "t_reuse_median_s", "same_next_token")
+            if k in r["state_cache"]}}),
+        ("device_memory", lambda r: {"device_memory": {k: r["device_memory"][k] for k in (
+            "available", "reason", "releases_bytes", "max_slots", "active_slots_after_close", "refused")
+            if k in r["device_memory"]}}),
     ]
 
 
 def summary(r: dict, out: Path) -> dict[str, Any]:
     """The one-line JSON: commit, machine, out dir, settings, key numbers. A missing or
     malformed result group is listed under `missing`, never raised."""
-    s: dict[str, Any] = {"bench": "paper", "commit": r.get("commit"), "machine": r.get("machine"), "out": str(out),
+    s: dict[str, Any] = {"bench": "paper", "commit": r.get("commit"), "dirty": r.get("dirty"),
+                         "machine": r.get("machine"), "time": r.get("started"), "out": str(out),
                          "quick": r.get("quick"), "model": (r.get("model") or {}).get("path"),
                          "elapsed_s": r.get("elapsed_s"), "stage_s": r.get("stage_s"),
                          "errors": r.get("errors") or None, "accelerator": has_accelerator(r)}

@@ -1,4 +1,9 @@
-"""Elastic device memory: one byte budget for everything a model keeps on the device.
+"""Device memory budget: one byte budget for everything a model keeps on the device.
+
+What it does on this build: it decides how many expert-cache slots are *active*, so that
+weights + states + scratch + active slots fit the budget. It does not give device memory
+back: the cache buffer keeps its compiled size and a disabled slot's bytes stay allocated
+(see "What is physical and what is accounting" below).
 
     budget >= weights          non-expert parameters (+ the whole expert pool under `device`)
             + states           every live session's state (KV cache, recurrent state), the
@@ -8,7 +13,7 @@
                                attention blocks, widened weights), + the double buffer of
                                a streamed layer when prompts stream; reserved up front, so
                                a prefill is never admitted to fail halfway
-            + expert cache     active slots x bytes per slot: the elastic part
+            + expert cache     active slots x bytes per slot: the part that gives way
 
 States grow with the conversation; the expert cache gives way. Before a state grows,
 `make_room(extra)` shrinks the cache to what is left (its least recently used residents
@@ -44,6 +49,12 @@ from ftjax.experts.executor import active_slots, set_active_slots
 
 if TYPE_CHECKING:
     from ftjax.model import Model
+
+
+# This build disables slots inside the compiled cache buffer; it never re-allocates the buffer
+# smaller, so no device memory goes back to the allocator. `ftjax bench paper` reads this
+# (and checks it against the buffer's size) before it speaks to the paper's elastic-VRAM claim.
+RELEASES_DEVICE_BYTES = False
 
 
 class DeviceMemoryError(ValueError):

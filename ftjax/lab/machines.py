@@ -15,7 +15,7 @@ bandwidths in GB/s = 1e9 bytes/s):
                     run at once; None = the paper's model (B_P unchanged, the CPU keeps
                     B_H - B_P because the DMA reads the same DRAM)
 
-B_P and B_H of the five machines are the paper's measurements (its Table 2; see docs/benchmarks.md). The
+B_P and B_H of the five machines are the paper's measurements (its Table 2). The
 device figures are public spec-sheet values (vendor product pages, rounded) and
 only matter for hits and non-expert weights; host RAM is known only where the
 paper states it. `from_profile` builds a profile from this machine's measured
