@@ -543,10 +543,17 @@ def run_agent(out: str | Path, settings: AgentSettings | None = None, log: Calla
     ttft_figure(doc["records"], s.workloads, s.modes, out / "ttft.png")
     memory_figure(doc["modes"], out / "memory.png")
     write_markdown(doc, out / "agent.md")
+    return summary_line(doc, out)
+
+
+def summary_line(doc: dict, out: str | Path) -> dict:
+    """The one JSON line of a run, from its agent.json document (the run's own commit,
+    machine and start time)."""
+    s = doc["settings"]
     errors = sum(r["error"] is not None for r in doc["records"])
     errors += sum(i["status"] == "error" for i in doc["modes"].values())
     return {"bench": "agent", "out": str(out), **doc["commit"], "machine": doc["machine"], "time": doc["started"],
-            "model": s.model or "default", "history": s.history, "elapsed_s": doc["elapsed_s"],
+            "model": s["model"] or "default", "history": s.get("history", "rewritten"), "elapsed_s": doc["elapsed_s"],
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)
                                                          for q in ("p50", "p95", "max")}
