@@ -42,7 +42,7 @@ from ftjax.engine.steps import Steps
 from ftjax.engine.streamed import StreamedPrefill, stream_threshold
 from ftjax.engine.telemetry import DEFAULT_KEEP_RECORDS, Telemetry
 from ftjax.experts.calibration import Calibration
-from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor
+from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor, set_active_slots
 from ftjax.experts.policy import get_policy, transfer_ratio
 from ftjax.host import default_threads, memory_kind_of, pool_view, sharding
 from ftjax.models import FAMILIES
@@ -220,6 +220,15 @@ class Model:
         self._telemetry.record("decode", codes)
         self.calibrate()
         return nxt, logits, state
+
+    def add_time(self, **spent) -> None:
+        """Prefill / decode seconds and tokens a caller measured around the steps
+        (`Timing.add` keywords), into the model's cumulative timing."""
+        self._telemetry.timing.add(**spent)
+
+    def set_active_slots(self, n: int) -> None:
+        """The expert cache's active slots (elastic memory: `engine.memory`); data, no recompile."""
+        self._xstate = set_active_slots(self._xstate, jnp.int32(n))
 
     @contextlib.contextmanager
     def recovering(self):

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.engine.shapes import bucket
-from ftjax.experts.executor import active_slots, set_active_slots
+from ftjax.experts.executor import active_slots
 
 if TYPE_CHECKING:
     from ftjax.model import Model
@@ -181,7 +181,7 @@ class DeviceMemory:
         current = self.active_slots()
         if n == current or (n > current and not allow_grow):
             return
-        self.model._xstate = set_active_slots(self.model._xstate, jnp.int32(n))
+        self.model.set_active_slots(n)
         self._active = n
         self.counters["shrinks" if n < current else "grows"] += 1
 

@@ -530,9 +530,7 @@ class Scheduler:
         out, _, self._state = m.decode_step(state, tokens, pos, active, jnp.stack(keys), counters, temperature, top_k,
                                             top_p, bias)
         ids = np.asarray(out)  # the one host sync per step
-        timing = m._telemetry.timing
-        timing.decode_s += time.perf_counter() - t0
-        timing.decode_tokens += len(live)
+        m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
         self._counts["steps"] += 1
         for b in live:
             r = rows[b]

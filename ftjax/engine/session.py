@@ -270,9 +270,8 @@ class Session:
         return out
 
     def _add_prefill_time(self, seconds: float, tokens: int) -> None:
-        for t in (self.timing, self.model._telemetry.timing):
-            t.prefill_s += seconds
-            t.prefill_tokens += tokens
+        self.timing.add(prefill_s=seconds, prefill_tokens=tokens)
+        self.model.add_time(prefill_s=seconds, prefill_tokens=tokens)
 
     def append(self, ids: Sequence[int]) -> np.ndarray:
         """Prefill `ids` after what the session holds -> [V] float32 logits of the last one."""
@@ -467,11 +466,10 @@ def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sa
             s._next_logits = None  # the last token is pending: its logits come from feeding it
             if t_first is not None:
                 g = stats[b]
-                for t in (s.timing, m._telemetry.timing):
-                    t.prefill_s += g.ttft_s
-                    t.prefill_tokens += g.prompt_tokens
-                    t.decode_s += g.decode_s
-                    t.decode_tokens += max(len(new[b]) - 1, 0)
+                spent = dict(prefill_s=g.ttft_s, prefill_tokens=g.prompt_tokens, decode_s=g.decode_s,
+                             decode_tokens=max(len(new[b]) - 1, 0))
+                s.timing.add(**spent)
+                m.add_time(**spent)
 
 
 def generate_batch(sessions: list[Session], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

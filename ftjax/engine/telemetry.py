@@ -35,6 +35,13 @@ class Timing:
     decode_tokens: int = 0
     bytes_streamed: int = 0
 
+    def add(self, prefill_s: float = 0.0, prefill_tokens: int = 0, decode_s: float = 0.0,
+            decode_tokens: int = 0) -> None:
+        self.prefill_s += prefill_s
+        self.prefill_tokens += prefill_tokens
+        self.decode_s += decode_s
+        self.decode_tokens += decode_tokens
+
 
 @dataclass
 class Telemetry:
