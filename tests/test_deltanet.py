@@ -235,7 +235,7 @@ def _hybrid_config(**overrides):
      "sliding_attention"),
     (dict(layer_types=["full_attention"]), "layer_types must list 4"),
     (dict(linear_num_key_heads=3), "not a multiple of linear_num_key_heads"),
-    (dict(linear_key_head_dim=0), "k_head_dim"),
+    (dict(linear_key_head_dim=0), "linear_key_head_dim"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.0}), "partial_rotary_factor"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.375}), "rotary_dim"),
 ])

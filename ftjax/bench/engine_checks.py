@@ -70,7 +70,8 @@ def state_cache_reuse(model, ids: list[int], prefix_tokens: int, turn_tokens: in
 def memory_budget(model_dir, slots: int, threads: int | None, tokens: int,
                   log: Callable[[str], None] = lambda m: None) -> dict:
     """A session grown bucket by bucket under a device budget that holds the weights, the
-    prefill scratch and every expert slot with no state: how many slots stay active as the
+    prefill scratch and every expert slot with no state (or the largest state with no
+    slot, whichever is more): how many slots stay active as the
     state grows, what the expert-cache buffer holds meanwhile, whether a growth is refused,
     and what comes back when the session closes. `releases_bytes` is the build's own
     statement (`engine.memory.RELEASES_DEVICE_BYTES`), checked against the buffer sizes."""
@@ -78,6 +79,7 @@ def memory_budget(model_dir, slots: int, threads: int | None, tokens: int,
         import ftjax
         from ftjax.engine import memory as memory_module
         from ftjax.engine.memory import DeviceMemoryError, tree_bytes
+        from ftjax.engine.shapes import MIN_CAPACITY, bucket
     except ImportError as e:
         return {"available": False, "reason": f"ftjax.engine.memory does not import ({e})"}
     if tokens <= 0:
@@ -85,9 +87,11 @@ def memory_budget(model_dir, slots: int, threads: int | None, tokens: int,
     model = ftjax.load(model_dir, policy="lru", cache_slots=slots, bandwidth=(1.0, 1.0), threads=threads,
                        device_memory_bytes=1 << 50)  # sized below, once weights and scratch are known
     mem = model.memory
-    mem.budget = mem.weights + mem.scratch + mem.max_slots * mem.slot_bytes  # all slots fit while no state is held
-    mem.rebalance()
     target = min(tokens, model.max_seq_len - 1)
+    # all slots fit while no state is held, and the largest state fits once the slots have yielded
+    full_state = mem.state_bytes(min(model.max_seq_len, bucket(target, MIN_CAPACITY)))
+    mem.budget = mem.weights + mem.scratch + max(mem.max_slots * mem.slot_bytes, full_state)
+    mem.rebalance()
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, target).tolist()
     ends = [n for n in (128, 256, 512, 1024, 2048, 4096, 8192) if n < target] + [target]
     session, steps, refused = model.session(), [], None
