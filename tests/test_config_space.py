@@ -19,6 +19,7 @@ as a `config_space.check_config(...)` line to paste into a test, shrunk to the f
 overrides that still fail that check."""
 
 import ast
+import contextlib
 import json
 import os
 
@@ -36,10 +37,13 @@ PER_FAMILY = int(os.environ.get("FTJAX_PARITY_PER_FAMILY", "20"))
 
 @pytest.fixture(scope="module", autouse=True)
 def _name_the_seeds(request):
+    """The seeds on the terminal (past output capture), before the first case runs."""
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capman = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None:
-        reporter.write_line(f"\nconfig-space parity: CI seeds {CI_SEEDS}; large sample FTJAX_PARITY_SEED={SEED_BASE} "
-                            f"(seeds {SEED_BASE}..{SEED_BASE + PER_FAMILY - 1} per family)")
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            reporter.write_line(f"\nconfig-space parity: CI seeds {CI_SEEDS}; large sample FTJAX_PARITY_SEED={SEED_BASE} "
+                                f"(seeds {SEED_BASE}..{SEED_BASE + PER_FAMILY - 1} per family)")
     yield
 
 
