@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import random
 import tempfile
@@ -45,10 +46,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.torch import load_file, save_file
 
 import ftjax
 import hf_models
+from ftjax.models import config_from_hf
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next", "glm4_moe",
             "deepseek_v3", "glm_moe_dsa", "deepseek_v4"]
@@ -365,19 +368,14 @@ def add_mtp_tensors(hf, path: Path) -> None:
                 sd[k.replace(f"layers.{L - 1}.", f"layers.{L + i}.")] = sd[k].clone()
             for name, shape in (("eh_proj.weight", (D, 2 * D)), ("enorm.weight", (D,)), ("hnorm.weight", (D,)),
                                 ("shared_head.norm.weight", (D,))):
-                sd[f"model.layers.{L + i}.{name}"] = hf_ones_like(shape)
+                sd[f"model.layers.{L + i}.{name}"] = torch.ones(shape)
     else:
         for k in last:
             sd["mtp." + ("layers.0." if "qwen3" in cfg.model_type else "0.") + k.split(f"layers.{L - 1}.", 1)[1]] = \
                 sd[k].clone()
-        sd["mtp.fc.weight" if "qwen3" in cfg.model_type else "mtp.0.e_proj.weight"] = hf_ones_like((D, 2 * D))
-        sd["mtp.norm.weight" if "qwen3" in cfg.model_type else "mtp.0.norm.weight"] = hf_ones_like((D,))
+        sd["mtp.fc.weight" if "qwen3" in cfg.model_type else "mtp.0.e_proj.weight"] = torch.ones((D, 2 * D))
+        sd["mtp.norm.weight" if "qwen3" in cfg.model_type else "mtp.0.norm.weight"] = torch.ones((D,))
     save_file(sd, str(files[0]), metadata={"format": "pt"})
-
-
-def hf_ones_like(shape):
-    import torch
-    return torch.ones(shape)
 
 
 # ---- the checks ------------------------------------------------------------------------------------
@@ -480,8 +478,7 @@ def _kw_text(kw: dict) -> str:
 
 
 def _pool_shape(path: Path) -> tuple[int, int]:
-    from ftjax.models import config_from_hf
-    import json
+    """(MoE layers, experts per layer) of the saved checkpoint, as ftjax reads them."""
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
     return sum(cfg.moe_layers), cfg.num_experts
 
