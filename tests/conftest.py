@@ -26,6 +26,9 @@ SLOW_VARIANTS = {
                                                            "qwen2_moe-overrides5", "qwen3_5_moe_text-overrides6",
                                                            "qwen3_next-overrides8", "qwen3_moe-overrides9")),
         "test_fused_expert_layout[mixtral]", "test_fused_expert_layout[qwen3_next]"],
+    "tests/test_serve_robustness.py": [f"test_concurrent_distinct_and_shared_prefix_requests_all_answered[{mode}]"
+                                       for mode in ("off", "prefix")],  # semantic runs by default
+    "tests/test_glm_dsa.py": ["test_tied_selections_match_transformers_and_every_chunking[h2-d32-q20]"],
     "tests/test_deltanet.py": ["test_policies_match_transformers[device]", "test_policies_match_transformers[host]"],
     "tests/test_deepseek.py": ["test_policies_match_transformers[host]", "test_other_geometries[overrides1]"],
     "tests/test_executor.py": ["test_policies_compute_the_device_function[qwen2_moe-lru-transfer-only]",
