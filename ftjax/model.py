@@ -36,6 +36,7 @@ from flax import nnx
 from ftjax.checkpoint import Checkpoint, load_checkpoint, safetensors_files
 from ftjax.config import ModelConfig
 from ftjax.engine import faults
+from ftjax.engine.memory import consumed
 from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import GenerationStats, Session, Snapshot, bucket, generate_batch  # noqa: F401
 from ftjax.engine.steps import Steps
@@ -245,10 +246,9 @@ class Model:
         -> True if it was rebuilt. Outputs do not depend on it (the host pool is the source
         of truth), only where experts run."""
         try:
-            leaves = jax.tree.leaves(self._xstate)
-            usable = not any(a.is_deleted() for a in leaves)
+            usable = not consumed(self._xstate)
             if usable:
-                jax.block_until_ready(leaves)  # raises if a failed program produced them
+                jax.block_until_ready(self._xstate)  # raises if a failed program produced them
         except Exception:
             usable = False
         if usable:

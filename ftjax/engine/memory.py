@@ -61,6 +61,11 @@ class DeviceMemoryError(ValueError):
     """A state would not fit the device budget even with an empty expert cache."""
 
 
+def consumed(tree) -> bool:
+    """Whether a step that failed donated (and so deleted) any buffer of `tree`."""
+    return any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(tree))
+
+
 def tree_bytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 

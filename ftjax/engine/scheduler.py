@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.engine.memory import DeviceMemoryError, tree_bytes
+from ftjax.engine.memory import DeviceMemoryError, consumed, tree_bytes
 from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import Sampling, _first_tokens
 from ftjax.engine.shapes import MIN_CAPACITY, bucket
@@ -152,11 +152,6 @@ def _put_row(state, row, slot):
     return jax.tree.map(lambda a, r: a.at[slot].set(r[0].astype(a.dtype)), state, row)
 
 
-def _consumed(tree) -> bool:
-    """Whether a failed step donated (and so deleted) any buffer of `tree`."""
-    return any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(tree))
-
-
 class Scheduler:
     def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
                  max_queue: int = DEFAULT_MAX_QUEUE):
@@ -244,7 +239,7 @@ class Scheduler:
 
     def device_state_bytes(self) -> int:
         """The batched state's bytes (for the elastic memory budget)."""
-        return 0 if self._state is None or _consumed(self._state) else tree_bytes(self._state)
+        return 0 if self._state is None or consumed(self._state) else tree_bytes(self._state)
 
     def need_bytes(self, job: Job) -> int:
         """Device bytes admitting a job adds when it joins the batch: its prefill
@@ -272,7 +267,7 @@ class Scheduler:
             try:
                 self._advance_prefill()
             except Exception as e:
-                self._failed("prefill", e, batch=self._state is not None and _consumed(self._state))
+                self._failed("prefill", e, batch=self._state is not None and consumed(self._state))
         if any(self._rows):
             try:
                 self._decode()
@@ -313,7 +308,7 @@ class Scheduler:
         if prefill and self._prefill is not None:
             p, self._prefill = self._prefill, None
             jobs.append(p.job)
-            if p.session is not None and p.session._state is not None and not _consumed(p.session._state):
+            if p.session is not None and p.session._state is not None and not consumed(p.session._state):
                 p.session.close()
         if rows:
             jobs += [r.job for r in self._rows if r is not None]
