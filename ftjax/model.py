@@ -50,6 +50,7 @@ from ftjax.models import FAMILIES
 from ftjax.models.common import causal_lm, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+API_MAX_BATCH = 64  # rows the Python API decodes together; more sessions queue and join as rows leave
 
 
 @dataclass(eq=False)
@@ -76,6 +77,7 @@ class Model:
     memory: Any = field(default=None, repr=False)  # engine.memory.DeviceMemory (elastic budget) or None
     calibration: Calibration | None = field(default=None, repr=False)  # live B_P / B_H (adaptive split)
     _host: Any = field(default=None, repr=False)  # the HostExecutor of the routed experts (None: device)
+    _scheduler: Any = field(default=None, repr=False)  # the Python API's decode loop (api_scheduler)
 
     def __repr__(self) -> str:
         c = self.config
@@ -127,6 +129,15 @@ class Model:
         committed to device memory like the states the steps return (one compile each)."""
         return jax.device_put(init_state(self.config, batch, capacity, self.kv_dtype), sharding("device"))
 
+    def api_scheduler(self):
+        """The decode loop of the Python API (`generate*`, `Session.generate`): an
+        `engine.scheduler.Scheduler` stepped by the calling thread. A server builds its own."""
+        if self._scheduler is None:
+            from ftjax.engine.scheduler import Scheduler
+            self._scheduler = Scheduler(self, max_batch=API_MAX_BATCH, prefill_chunk=self.prefill_chunk,
+                                        max_queue=1 << 20)
+        return self._scheduler
+
     def session(self, snapshot: Snapshot | None = None) -> Session:
         """A new conversation: empty, or resumed exactly where `snapshot` was taken."""
         return Session(self, snapshot)
@@ -167,7 +178,6 @@ class Model:
         sessions = []
         for arr in arrs:
             s = self.session()
-            s.reserve(arr.size + max_new_tokens)
             if max_new_tokens:
                 s.append(arr)
             sessions.append(s)

@@ -10,13 +10,19 @@ Phase 1, agent sessions: --sessions conversations run concurrently, --turns requ
 each. A conversation is a coding agent's: a system prompt, a user task, then per turn
 the assistant's reply as the server returned it (its tool calls when it made some,
 else its text) and a tool result message per call (a few hundred tokens of file text,
-grep hits, listings or test logs, pseudo-random but seeded per session; a reply
+grep hits, listings or test logs, pseudo-random but seeded per session, --output-scale
+pieces of it per output; a reply
 without a call gets one result all the same, under an id of the harness's: the server
 does not pair ids, and the history keeps one tool output per turn). Before each
-request all but the last 3 tool outputs are replaced by "[output elided]", as coding
-agents do, so the history is rewritten in the middle, and the oldest turns are dropped
-while the history (counted by the server's /v1/messages/count_tokens) is over
---max-history tokens (the default model's context is 2,048). Even sessions speak
+request all but the last --keep-outputs tool outputs are replaced by "[output elided]",
+as coding agents do, so the history is rewritten in the middle, and the oldest turns are
+dropped while the history (counted by the server's /v1/messages/count_tokens) is over
+--max-history tokens. The default model was trained with a context of 2,048 tokens;
+`--context N` above that serves the same weights with its declared context raised to N
+(a copy of the model folder whose config says max_position_embeddings = N, the rest
+linked; RoPE positions past the training length, so the text is worse, the serving work
+the same) — `--long` is the ≥ 8k-token profile: --context 16384, 5 whole outputs of 6
+pieces each, --max-history 12000. Even sessions speak
 OpenAI chat.completions, odd ones Anthropic messages; both stream, with 2 function
 tools, max_tokens 48, temperature 0. Every other turn forces a call of `search_corpus`
 (the tool the default model was trained on, asked for in the shape of its training),
@@ -43,7 +49,7 @@ and what its state cache holds at the end, its shutdown, its last log lines, com
 and machine. Exits 1 when a request hung or failed.
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_soak.py [--sessions 8] [--turns 20] [--short 1000]
-        [--concurrency 8] [--max-batch 4] [--state-cache {off,prefix,semantic}] [--quick]
+        [--concurrency 8] [--max-batch 4] [--state-cache {off,prefix,semantic}] [--long] [--quick]
 """
 
 from __future__ import annotations
@@ -95,7 +101,6 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 FORCED_TOOL = "search_corpus"
 ELIDED = "[output elided]"
-KEEP_OUTPUTS = 3  # tool outputs left whole; older ones are elided
 AGENT_MAX_TOKENS = 48
 WORDS = ("cache state session request engine model token batch prefill decode expert router layer tensor buffer "
          "stream config parser handler server client index table schema queue worker scheduler snapshot").split()
@@ -112,6 +117,8 @@ def start_server(a, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ftjax.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--warmup",
            "--max-batch", str(a.max_batch), "--state-cache", a.state_cache,
            "--state-cache-device-gb", tier_gb, "--state-cache-host-gb", tier_gb]
+    if a.model_dir is not None:
+        cmd += ["--model", str(a.model_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + a.startup_timeout
     while not healthy(port):
@@ -122,6 +129,21 @@ def start_server(a, port: int, log) -> subprocess.Popen:
             raise RuntimeError("server did not come up")
         time.sleep(0.5)
     return proc
+
+
+def long_context_model(context: int, folder: Path) -> Path:
+    """The default model's weights, tokenizer and template with a declared context of
+    `context` tokens: a folder of links and an edited config.json."""
+    from ftjax.model import DEFAULT_MODEL_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in DEFAULT_MODEL_DIR.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
 
 
 def healthy(port: int) -> bool:
@@ -237,6 +259,8 @@ class Session:
     dropped_turns: int = 0
     tool_calls: int = 0
     stopped: bool = False
+    keep_outputs: int = 3  # tool outputs left whole; older ones are elided
+    output_scale: int = 1  # generated pieces per tool output
 
     @property
     def api(self) -> str:
@@ -246,16 +270,19 @@ class Session:
         """Append the reply and the outputs answering it, then elide all but the last outputs."""
         self.tool_calls += len(reply.calls)
         if reply.calls:
-            outputs = [TOOL_OUTPUT.get(c.name, _code)(self.rng) for c in reply.calls]
+            outputs = [self.output(TOOL_OUTPUT.get(c.name, _code)) for c in reply.calls]
             ids = [c.id for c in reply.calls]
         else:  # the server does not pair result ids with calls; the template renders a <tool_output> all the same
-            outputs, ids = [self.rng.choice(COMMAND_OUTPUTS)(self.rng)], [f"harness_{self.index}_{self.steps}"]
+            outputs, ids = [self.output(self.rng.choice(COMMAND_OUTPUTS))], [f"harness_{self.index}_{self.steps}"]
         self.turns.append(Turn(reply.text, reply.calls, outputs, ids))
         self.elide()
 
+    def output(self, piece) -> str:
+        return "\n".join(piece(self.rng) for _ in range(self.output_scale))
+
     def elide(self) -> None:
         outputs = [(t, i) for t in self.turns for i in range(len(t.outputs))]
-        for t, i in outputs[:-KEEP_OUTPUTS]:
+        for t, i in outputs[:-self.keep_outputs]:
             t.outputs[i] = ELIDED
 
     def openai_messages(self) -> list[dict]:
@@ -392,6 +419,7 @@ class Tally:
         self.errors = Counter()
         self.samples: list[str] = []
         self.max_history = 0
+        self.histories: list[int] = []  # prompt tokens of each agent request, as the server counted them
 
     def call(self, phase: str | None, fn):
         """fn() under the deadline -> its result, HUNG, or None after another failure (each
@@ -419,6 +447,8 @@ class Tally:
     def history(self, tokens: int | None) -> None:
         with self.lock:
             self.max_history = max(self.max_history, tokens or 0)
+            if tokens:
+                self.histories.append(tokens)
 
 
 # ---- the two phases -------------------------------------------------------------------------
@@ -474,6 +504,13 @@ def main(argv=None) -> int:
     ap.add_argument("--short", type=int, default=1000, help="short requests (phase 2)")
     ap.add_argument("--concurrency", type=int, default=8, help="client threads of phase 2")
     ap.add_argument("--max-history", type=int, default=1700, help="tokens an agent request's history may reach")
+    ap.add_argument("--keep-outputs", type=int, default=3, help="tool outputs left whole; older ones are elided")
+    ap.add_argument("--output-scale", type=int, default=1, help="generated pieces per tool output (~250 tokens each)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="serve the default model's weights with this declared context (above its 2,048)")
+    ap.add_argument("--long", action="store_true",
+                    help="the >= 8k-token history profile: --context 16384 --keep-outputs 5 --output-scale 6 "
+                         "--max-history 12000")
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
     ap.add_argument("--state-cache", choices=["off", "prefix", "semantic"], default="semantic",
                     help="the server's --state-cache")
@@ -487,11 +524,15 @@ def main(argv=None) -> int:
     add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
     check_clean_or_exit(a.allow_dirty)
+    if a.long:
+        a.context, a.keep_outputs, a.output_scale, a.max_history = 16384, 5, 6, 12000
     if a.quick:
         a.sessions, a.turns, a.short = 2, 4, 40
     port = _free_port()
-    with tempfile.TemporaryFile() as server_err:
-        log(f"starting the server on 127.0.0.1:{port} (--warmup, --state-cache {a.state_cache})")
+    with tempfile.TemporaryFile() as server_err, tempfile.TemporaryDirectory() as tmp:
+        a.model_dir = long_context_model(a.context, Path(tmp) / "model") if a.context else None
+        log(f"starting the server on 127.0.0.1:{port} (--warmup, --state-cache {a.state_cache}"
+            f"{f', context {a.context}' if a.context else ''})")
         proc = start_server(a, port, server_err)
         try:
             line = soak(a, port, proc)
@@ -509,7 +550,8 @@ def soak(a, port: int, proc: subprocess.Popen) -> dict:
     """Both phases against the running server -> the JSON line's measurements."""
     clients, tally = make_clients(port, a.timeout), Tally(a.timeout)
     rng = random.Random(a.seed)
-    sessions = [Session(i, random.Random(f"{a.seed}:{i}"), TASKS[i % len(TASKS)]) for i in range(a.sessions)]
+    sessions = [Session(i, random.Random(f"{a.seed}:{i}"), TASKS[i % len(TASKS)], keep_outputs=a.keep_outputs,
+                        output_scale=a.output_scale) for i in range(a.sessions)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max(1, a.sessions)) as pool:
         list(pool.map(lambda s: session_step(s, clients, tally, a.max_history), sessions))  # round 1
@@ -542,6 +584,9 @@ def soak(a, port: int, proc: subprocess.Popen) -> dict:
             "sessions_stopped": sum(s.stopped for s in sessions), "count_tokens_requests": tally.requests[
                 "count_tokens"], "sessions": a.sessions, "turns": a.turns, "short": a.short,
             "concurrency": a.concurrency, "max_batch": a.max_batch, "max_history": a.max_history,
+            "context": a.context or 2048, "keep_outputs": a.keep_outputs, "output_scale": a.output_scale,
+            "agent_history_tokens": {k: pct(tally.histories, q)
+                                     for k, q in (("min", 0.0), ("p50", 0.5), ("p95", 0.95), ("max", 1.0))},
             "state_cache": a.state_cache, "timeout_s": a.timeout, **stats}
 
 

@@ -164,3 +164,67 @@ def test_deadline_queue_bound_drain_and_raising_callbacks(model):
     sch.fail_pending("error: ServerShutdown: test")
     assert log.done[4] == ["error: ServerShutdown: test"] and not sch.busy()
     assert sch.stats()["timeouts"] == 2
+
+
+# ---- the Python API decodes on the same loop --------------------------------------------
+
+def test_python_api_decodes_on_the_models_scheduler(model):
+    """Session.generate runs as scheduler jobs; two live streams share the loop and each
+    gets what it gets alone."""
+    a_ids, b_ids = chat_ids(model, "Tell me of 0"), chat_ids(model, "Once upon a time")
+    want_a, want_b = model.generate(a_ids, 8), model.generate(b_ids, 8)
+    steps = model.api_scheduler().stats()["steps"]
+    sa, sb = model.session(), model.session()
+    sa.append(a_ids)
+    sb.append(b_ids)
+    ga, gb = sa.generate_stream(8), sb.generate_stream(8)
+    got_a, got_b = [], []
+    for ta, tb in zip(ga, gb):  # interleaved: each next() steps both jobs
+        got_a.append(ta)
+        got_b.append(tb)
+    assert got_a == want_a and got_b == want_b
+    assert sa.ids == a_ids + want_a and sb.ids == b_ids + want_b
+    assert model.api_scheduler().stats()["steps"] > steps
+    assert model.api_scheduler().pending() == 0
+
+
+def test_a_closed_stream_hands_its_state_back(model):
+    """Stopping a stream early leaves the session where it stopped, able to go on."""
+    ids = chat_ids(model, "Tell me of 3")
+    ref = model.session()
+    ref.append(ids)
+    ref.generate(3)
+    ref.generate(5)
+    s = model.session()
+    s.append(ids)
+    stream = s.generate_stream(20)
+    first = [next(stream) for _ in range(3)]
+    stream.close()
+    assert s.last_generation.stop_reason == "cancelled" and s.ids == ids + first
+    s.generate(5)
+    assert s.ids == ref.ids
+
+
+def test_a_failed_decode_in_the_python_api_raises_and_the_session_goes_on(model):
+    """The step's error reaches the caller; the session keeps its tokens, re-prefills
+    them on its next call and continues as if nothing happened."""
+    ids = chat_ids(model, "Tell me of 5")
+    ref = model.session()
+    ref.append(ids)
+    ref.generate(4)
+    ref.generate(4)
+    s = model.session()
+    s.append(ids)
+    s.generate(4)
+    faults.arm("decode")
+    with pytest.raises(faults.InjectedFault):
+        s.generate(4)
+    assert s.last_generation.stop_reason.startswith("error: InjectedFault")
+    held = s.ids
+    assert held[:len(ids) + 4] == ref.ids[:len(ids) + 4]
+    s2 = model.session()  # the model serves others
+    s2.append(ids)
+    assert s2.generate(4) == ref.ids[len(ids):len(ids) + 4]
+    # the failed call's first token came from stored logits: it is kept, and the rest follows
+    s.generate(len(ref.ids) - len(held))
+    assert s.ids == ref.ids

@@ -1,8 +1,9 @@
 """Continuous batching: requests join and leave one batched decode step while it runs.
 
-`generate_batch` (engine.session) decodes a fixed set of sessions from start to end.
-A server needs rows that come and go: the `Scheduler` keeps ONE batched state and
-advances it one token per iteration, admitting new requests between steps.
+The `Scheduler` is the one decode loop: the server's requests and the Python API's
+generations (`Session.generate`, `generate_batch`, `Model.generate*`) all decode here.
+It keeps ONE batched state and advances it one token per iteration, admitting new
+requests between steps.
 
     submit(job) ─► queue ─► prefill, one chunk of `prefill_chunk` tokens per iteration
                             (a batch-1 Session; a long prompt never stalls the others'
@@ -28,6 +29,12 @@ output does not depend on who else is in the batch. Two per-row controls serve
 constrained output: `forced` tokens (given up front, or returned by `on_token` along
 the way) are emitted and fed before any sampled one, and a per-row logit bias (`banned`
 tokens at -inf, OpenAI's `logit_bias`) is added inside the jitted step before sampling.
+
+A job either starts from a prompt (a new session, or the state cache's best match) or
+continues a `Session` (`Job.session`: the Python API; the session holds the prompt and
+its next-token logits). A session's row goes back to its session when the job ends,
+the last emitted token pending, as `Session.generate` leaves it; if a failed step took
+the state with it, the session keeps its tokens and re-prefills them on its next call.
 
 Every job ends exactly once. A job is tracked from the moment it leaves the queue (as
 the prefill) until it leaves the batch, and `_finish` is the only way out: eos | stop |
@@ -69,6 +76,7 @@ from ftjax.engine.shapes import MIN_CAPACITY, bucket
 from ftjax.models.common import resize_state
 
 if TYPE_CHECKING:
+    from ftjax.engine.session import Session
     from ftjax.model import Model
 
 log = logging.getLogger("ftjax.engine")
@@ -100,10 +108,13 @@ class Job:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token -> added to its logit
     deadline: float | None = None  # time.monotonic() by which it must end ("timeout")
     id: str = ""  # for logs
+    session: Session | None = None  # continue this session (holds `prompt`); its state comes back at the end
+    step_logits: list | None = None  # if a list: receives the [V] float32 logits each token was sampled from
     cancelled: bool = False
     new_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the state cache, not prefilled
     outcome: str | None = None  # the reason it ended, once it has
+    error: Exception | None = None  # the exception behind an "error: ..." outcome, when one raised
 
     def bias(self) -> dict[int, float] | None:
         """The row's logit bias: logit_bias, banned tokens at -inf."""
@@ -212,7 +223,7 @@ class Scheduler:
                 queued, self._queue = list(self._queue), collections.deque()
             for job in queued:
                 self._finish(job, reason)
-            self._fail_batch(reason, prefill=True)
+            self._fail_batch(reason, None, prefill=True)
 
     def pending(self) -> int:
         """Jobs queued, prefilling or decoding."""
@@ -265,7 +276,8 @@ class Scheduler:
         self._drop_ended()
         if self._prefill is not None or self._queue:
             try:
-                self._advance_prefill()
+                while self._advance_prefill() and self._queue:
+                    pass  # jobs that need no prefill (continued sessions, whole-prompt cache hits) join together
             except Exception as e:
                 self._failed("prefill", e, batch=self._state is not None and consumed(self._state))
         if any(self._rows):
@@ -294,7 +306,7 @@ class Scheduler:
         ids = ([self._prefill.job.id] if self._prefill else []) + \
               ([r.job.id for r in self._rows if r is not None] if batch else [])
         log.error("%s step failed (jobs %s): %s", where, ", ".join(i or "?" for i in ids), reason, exc_info=e)
-        self._fail_batch(reason, prefill=True, rows=batch)
+        self._fail_batch(reason, e, prefill=True, rows=batch)
         try:
             if self.model.recover():
                 self._counts["recoveries"] += 1
@@ -303,19 +315,26 @@ class Scheduler:
             self.degraded = f"cannot rebuild the expert cache after a failed {where} step: {type(err).__name__}: {err}"
             log.exception("recovery failed")
 
-    def _fail_batch(self, reason: str, prefill: bool, rows: bool = True) -> None:
+    def _fail_batch(self, reason: str, error: Exception | None, prefill: bool, rows: bool = True) -> None:
         jobs = []
         if prefill and self._prefill is not None:
             p, self._prefill = self._prefill, None
             jobs.append(p.job)
-            if p.session is not None and p.session._state is not None and not consumed(p.session._state):
+            if p.session is not None and p.session._state is not None and consumed(p.session._state):
+                p.session._hand_back(None, 0)  # a continued session keeps its tokens, re-prefilled next time
+            elif p.job.session is None and p.session is not None:
                 p.session.close()
         if rows:
-            jobs += [r.job for r in self._rows if r is not None]
+            for r in self._rows:
+                if r is not None:
+                    jobs.append(r.job)
+                    if r.job.session is not None:
+                        r.job.session._hand_back(None, 0)  # its state went with the batch's
             self._rows, self._state, self._cap = [], None, 0
             if self.memory is not None:
                 self.memory.rebalance()
         for job in jobs:
+            job.error = error
             self._finish(job, reason)
 
     def _drop_ended(self) -> None:
@@ -333,7 +352,7 @@ class Scheduler:
             self._finish(j, why)
         if self._prefill is not None and reason(self._prefill.job):
             p, self._prefill = self._prefill, None
-            if p.session is not None:
+            if p.session is not None and p.job.session is None:
                 p.session.close()
             self._finish(p.job, reason(p.job))
         for b, r in enumerate(self._rows):
@@ -342,20 +361,26 @@ class Scheduler:
         self._compact()
 
     # ---- prefill and joining -----------------------------------------------------------
-    def _advance_prefill(self) -> None:
+    def _advance_prefill(self) -> bool:
+        """Admit the next job or feed the admitted one a chunk; join it to the batch when
+        its prompt is in -> True if a job joined without any prefill (another may follow)."""
         if self._prefill is None:
             live = sum(r is not None for r in self._rows)
             with self._cv:
                 if not self._queue or live >= self.max_batch:
-                    return
+                    return False
                 job = self._queue[0]
                 if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
-                    return  # waits for running rows to leave (it fits alone: checked at submission)
+                    return False  # waits for running rows to leave (it fits alone: checked at submission)
                 self._queue.popleft()
                 self._prefill = p = _Prefill(job)  # tracked from here on: a failure below ends it
             self._counts["admitted"] += 1
             cap = self._capacity(job.prompt.size + 1)
-            if self.state_cache is not None:
+            if job.session is not None:  # a continued session: the prompt is in, its logits ready
+                if job.session._next_logits is None or job.session._fed != job.prompt.size:
+                    raise ValueError("a continued session must hold its prompt fed, with next-token logits")
+                p.session, p.done = job.session, job.prompt.size
+            elif self.state_cache is not None:
                 p.session, p.done = self.state_cache.restore(job.prompt, cap)
                 p.snapshots = [b for b in self.state_cache.boundaries(job.prompt) if b > p.done]
             else:
@@ -364,7 +389,8 @@ class Scheduler:
             p.session.reserve(cap)
         p = self._prefill
         end = min(p.done + self.prefill_chunk, p.job.prompt.size, *p.snapshots[:1])  # a chunk ends at a snapshot
-        if end > p.done:
+        fed = end > p.done
+        if fed:
             p.session.append(p.job.prompt[p.done:end])
             p.done = end
         if p.snapshots and p.done == p.snapshots[0]:
@@ -373,6 +399,8 @@ class Scheduler:
         if p.done == p.job.prompt.size:
             self._join(p)
             self._prefill = None
+            return not fed
+        return False
 
     def _snapshot(self, session, kind: str) -> None:
         """Into the state cache; the cache is an optimisation, so a failure there (a full
@@ -390,6 +418,8 @@ class Scheduler:
         key = jax.random.PRNGKey(smp.seed)
         forced = collections.deque(job.forced)
         budget = min(job.max_new_tokens, m.max_seq_len - job.prompt.size)
+        if job.step_logits is not None:
+            job.step_logits.append(np.asarray(session._next_logits[0], np.float32))
         if forced:
             tok = forced.popleft()
         else:
@@ -398,7 +428,10 @@ class Scheduler:
                                                *bias_arrays([job.bias()], m.config.vocab_size)))[0])
         row = _Row(job, pos=job.prompt.size, token=tok, budget=budget, key=key, forced=forced)
         if self._emit(row, tok):
-            session.close()  # done at its first token: its state goes (the expert cache may grow back)
+            if job.session is not None:
+                session._hand_back(session._state, session.capacity)  # the first token is pending
+            else:
+                session.close()  # done at its first token: its state goes (the expert cache may grow back)
             return
         self._place(row, session)
 
@@ -522,18 +555,20 @@ class Scheduler:
         bias = bias_arrays([r.job.bias() if r is not None else None for r in rows], m.config.vocab_size)
         t0 = time.perf_counter()
         state, self._state = self._state, None  # donated: a failed step leaves no state behind
-        out, _, self._state = m.decode_step(state, tokens, pos, active, jnp.stack(keys), counters, temperature, top_k,
-                                            top_p, bias)
+        out, logits, self._state = m.decode_step(state, tokens, pos, active, jnp.stack(keys), counters, temperature,
+                                                 top_k, top_p, bias)
         ids = np.asarray(out)  # the one host sync per step
         m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
         self._counts["steps"] += 1
         for b in live:
             r = rows[b]
             r.pos += 1
+            if r.job.step_logits is not None:
+                r.job.step_logits.append(np.asarray(logits[b], np.float32))
             tok = r.forced.popleft() if r.forced else int(ids[b])
             r.token = tok
             if self._emit(r, tok):
-                rows[b] = None
+                self._release(b)
         self._compact()
 
     def _emit(self, row: _Row, tok: int) -> bool:
@@ -558,5 +593,19 @@ class Scheduler:
 
     def _leave(self, b: int, reason: str) -> None:
         job = self._rows[b].job
-        self._rows[b] = None
+        self._release(b)
         self._finish(job, reason)
+
+    def _release(self, b: int) -> None:
+        """Row b leaves the batch; a continued session takes its state back (a copy of the
+        row, or the whole state when it is the only row)."""
+        r, self._rows[b] = self._rows[b], None
+        if r.job.session is None:
+            return
+        if not any(self._rows):
+            state, self._state = self._state, None
+            if len(self._rows) > 1:
+                state = jax.tree.map(lambda a: a[b:b + 1], state)
+        else:
+            state = jax.tree.map(lambda a: a[b:b + 1], self._state)
+        r.job.session._hand_back(state, self._cap, fed=r.pos)

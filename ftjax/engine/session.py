@@ -20,14 +20,17 @@ and telemetry. A `Session` holds what one conversation owns:
                                      model's fingerprint); model.session(snap) resumes it;
                                      Snapshot.save / load persist it (orbax-checkpoint)
 
-`generate_batch` decodes several sessions together: their states are stacked along the
-batch axis (padded to a power of two and to one capacity), every row at its own
-position, one jitted decode step per token for the whole batch, finished rows masked out
-of the expert executor's records; the rows are split back into their sessions at the end.
+Generation runs on the model's `Scheduler` (engine.scheduler), the same decode loop the
+server uses: `generate` and `generate_batch` submit one job per session that continues
+it, and step the scheduler on the calling thread until their jobs end. Rows decode
+together, one jitted step per token, each at its own position; a row's state goes back
+to its session when its job ends. Several live `generate_stream` generators of one
+model share that loop: stepping one advances them all.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from dataclasses import dataclass
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.engine.memory import tree_bytes
-from ftjax.engine.sampling import apply_bias, bias_arrays, sample
+from ftjax.engine.sampling import apply_bias, sample
 from ftjax.engine.shapes import MIN_CAPACITY, MIN_PROMPT_BUCKET, bucket  # noqa: F401 (re-exported)
 from ftjax.engine.stops import StopMatcher, check_stops
 from ftjax.engine.telemetry import Timing
@@ -255,7 +258,8 @@ class Session:
     def _flush(self) -> None:
         """Feed the pending token (the last one `generate` sampled), if any."""
         if self._fed < len(self._ids):
-            self._prefill(np.asarray(self._ids[self._fed:], np.int32))
+            with self.model.recovering():
+                self._prefill(np.asarray(self._ids[self._fed:], np.int32))
 
     def _append(self, ids, all_logits: bool):
         arr = self.model.check_ids(ids)
@@ -331,6 +335,17 @@ class Session:
         self._ids, self._fed = [int(t) for t in ids], n
         self._next_logits = jnp.asarray(next_logits, jnp.float32)[None]
 
+    def _hand_back(self, state, capacity: int, fed: int | None = None) -> None:
+        """The scheduler returns the session's state when its job ends: `fed` tokens in
+        it, the last emitted token pending. `state=None`: a failed step took it; the
+        session keeps its tokens and feeds them all again on its next call."""
+        if state is None:
+            self._state, self._capacity, self._fed = None, 0, 0
+        else:
+            self._state, self._capacity = state, capacity
+            self._fed = self._fed if fed is None else fed
+        self._next_logits = None
+
     # ---- generation ------------------------------------------------------------------------
     def generate_stream(self, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, stop: Sequence[str] | None = None, *, prompt: Sequence[int] | None = None,
@@ -349,16 +364,14 @@ class Session:
         t0 = time.perf_counter()
         if arr is not None:
             self._check_room(arr.size)
-            self.reserve(self.position + arr.size + max_new_tokens)
-            pending = self._ids[self._fed:]
-            self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]))
-            self._ids.extend(int(t) for t in arr)
+            self._append(arr, all_logits=False)  # the pending token, if any, goes in with it
+        else:
+            self._flush()
         budget = min(max_new_tokens, m.max_seq_len - self.position)
         if budget <= 0:
             stats.stop_reason = "context"
             return
-        self.reserve(self.position + budget)
-        yield from _decode_rows([self], [budget], max_new_tokens, settings, stop, t0, [step_logits])
+        yield from _run([self], max_new_tokens, settings, stop, t0, [step_logits], stream=True)
 
     def generate(self, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, stop: Sequence[str] | None = None, *, prompt: Sequence[int] | None = None) -> list[int]:
@@ -376,100 +389,74 @@ def _check_generation(model, max_new_tokens: int, sampling: Sampling, stop) -> S
     return sampling
 
 
-def _stack(states: list) -> tuple:
-    return jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=0), *states)
+def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: float,
+         step_logits: list | None = None, stream: bool = False) -> Iterator[int]:
+    """Decode sessions (each holding its prompt fed, with next-token logits) on the
+    model's scheduler, one job each, stepping it on this thread until they end. With
+    `stream`, yields the first session's tokens as they come; otherwise yields nothing.
+    If the generator is closed early, its jobs are cancelled and their rows handed back."""
+    from ftjax.engine.scheduler import Job  # the scheduler builds on sessions
 
-
-def _decode_rows(sessions: list[Session], budgets: list[int], requested: int, sampling: Sampling, stop, t0: float,
-                 step_logits: list | None = None) -> Iterator[int]:
-    """The decode loop for one or several sessions (rows), one jitted step per token for
-    all rows. With one row it yields each new token as it comes (streaming); with several
-    it runs to the end and yields nothing.
-
-    Each session must have room for its budget; with several rows, none may hold a
-    pending token (a single row feeds its pending token with its first step)."""
     m = sessions[0].model
-    B = len(sessions)
-    Bp = 1 if B == 1 else bucket(B, 1)  # pad the batch to a power of two: fewer compiles
-    cap = max(s._capacity for s in sessions)
-    for s in sessions:
-        s.reserve(cap)
-    pad_rows = [m.new_state(Bp - B, cap)] if Bp > B else []
-    state = sessions[0]._state if Bp == 1 else _stack([s._state for s in sessions] + pad_rows)
-    for s in sessions:
-        s._state = None  # the batch owns the buffers now (the step donates them)
-
-    eos = m.eos_ids
-    keys = jnp.stack([jax.random.PRNGKey(sampling.seed)] * Bp)
-    temperature, top_k, top_p = sampling.rows(Bp)
-    active = np.array([True] * B + [False] * (Bp - B))
-    pos = np.array([s._fed for s in sessions] + [0] * (Bp - B), np.int32)
-    new: list[list[int]] = [[] for _ in range(B)]
-    stats = [s.last_generation for s in sessions]
-    step_logits = step_logits or [None] * B
-    matchers = [StopMatcher(m.tokenizer, stop) if stop else None for _ in range(B)]
-
-    def decode(token, counter):
-        nonlocal state
-        token, logits, state = m.decode_step(state, token, pos, active, keys, np.full((Bp,), counter, np.int32),
-                                             temperature, top_k, top_p)
-        pos[:B] += active[:B]
-        for b in np.flatnonzero(active[:B]):
-            sessions[b]._fed += 1
-        return token, logits
-
-    t_first = None
+    scheduler = m.api_scheduler()
+    out: collections.deque[int] = collections.deque()
+    jobs = []
+    for b, s in enumerate(sessions):
+        jobs.append(Job(np.asarray(s._ids, np.int32), requested, sampling, *_callbacks(s, t0, stop, stream and b == 0,
+                                                                                       out),
+                        id=f"api-{id(s):x}", session=s, step_logits=(step_logits or [None] * len(sessions))[b]))
+    for job in jobs:
+        scheduler.submit(job)
     try:
-        for i in range(max(budgets)):
-            t_step = time.perf_counter()
-            if i > 0:
-                token, logits = decode(token, i)
-            elif len(sessions[0]._ids) > sessions[0]._fed:  # one row with a pending token: feed it
-                token, logits = decode(jnp.asarray([sessions[0]._ids[-1]], jnp.int32), 0)
-            else:
-                logits = jnp.concatenate([s._next_logits for s in sessions]
-                                         + [jnp.zeros_like(sessions[0]._next_logits)] * (Bp - B))
-                token = _first_tokens(logits, keys, np.zeros(Bp, np.int32), temperature, top_k, top_p,
-                                      *bias_arrays([None] * Bp, m.config.vocab_size))
-            ids = np.asarray(token)  # the one host sync per step
-            now = time.perf_counter()
-            if i == 0:
-                t_first = now
-            for b in np.flatnonzero(active[:B]):
-                tok, s, g = int(ids[b]), sessions[b], stats[b]
-                if i == 0:
-                    g.ttft_s = now - t0
-                elif i == 1:
-                    g.first_step_s = now - t_step
-                if step_logits[b] is not None:
-                    step_logits[b].append(np.asarray(logits[b], np.float32))
-                s._ids.append(tok)
-                new[b].append(tok)
-                g.new_tokens, g.decode_s = len(new[b]), now - t_first
-                if tok in eos:
-                    g.stop_reason = "eos"
-                elif matchers[b] is not None and matchers[b].push(tok) is not None:  # stop strings can span tokens
-                    g.stop_reason = "stop"
-                elif len(new[b]) >= budgets[b]:
-                    g.stop_reason = "length" if budgets[b] == requested else "context"
-                active[b] = not g.stop_reason
-                if B == 1:
-                    yield tok
-            if not active.any():
-                break
-    except Exception:
-        m.recover()  # the model stays usable; this generation's sessions hold no state
-        raise
+        while any(j.outcome is None for j in jobs):
+            with scheduler.lock:
+                scheduler.step()
+            while out:
+                yield out.popleft()
     finally:
-        for b, s in enumerate(sessions):
-            s._state = state if Bp == 1 else jax.tree.map(lambda a, b=b: a[b:b + 1], state)
-            s._next_logits = None  # the last token is pending: its logits come from feeding it
-            if t_first is not None:
-                g = stats[b]
-                spent = dict(prefill_s=g.ttft_s, prefill_tokens=g.prompt_tokens, decode_s=g.decode_s,
-                             decode_tokens=max(len(new[b]) - 1, 0))
-                s.timing.add(**spent)
-                m.add_time(**spent)
+        if any(j.outcome is None for j in jobs):  # closed early: cancelled rows leave within a step
+            for j in jobs:
+                scheduler.cancel(j)
+            while any(j.outcome is None for j in jobs):
+                with scheduler.lock:
+                    scheduler.step()
+        for s in sessions:
+            g = s.last_generation
+            spent = dict(decode_s=g.decode_s, decode_tokens=max(g.new_tokens - 1, 0))
+            s.timing.add(**spent)
+    failed = next((j for j in jobs if j.outcome.startswith("error")), None)
+    if failed is not None:
+        raise failed.error if failed.error is not None else RuntimeError(failed.outcome)
+    while out:
+        yield out.popleft()
+
+
+def _callbacks(session: Session, t0: float, stop, stream: bool, out: collections.deque):
+    """A job's on_token / on_done for a session: tokens join the session (and `out` when
+    streaming), its GenerationStats follow, stop strings are matched incrementally."""
+    g = session.last_generation
+    matcher = StopMatcher(session.model.tokenizer, stop) if stop else None
+    marks: list[float] = []  # when each of the first two tokens came
+
+    def on_token(tok: int) -> bool:
+        now = time.perf_counter()
+        session._ids.append(tok)
+        g.new_tokens += 1
+        if g.new_tokens == 1:
+            g.ttft_s = now - t0
+        elif g.new_tokens == 2:
+            g.first_step_s = now - marks[0]
+        if len(marks) < 1:
+            marks.append(now)
+        g.decode_s = now - marks[0]
+        if stream:
+            out.append(tok)
+        return matcher is not None and matcher.push(tok) is not None
+
+    def on_done(reason: str) -> None:
+        g.stop_reason = reason
+
+    return on_token, on_done
 
 
 def generate_batch(sessions: list[Session], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -495,9 +482,6 @@ def generate_batch(sessions: list[Session], max_new_tokens: int, temperature: fl
             s.last_generation.stop_reason = "context"
     live = [s for s, n in zip(sessions, budgets) if n > 0]
     if live:
-        cap = max(s.position + n for s, n in zip(sessions, budgets) if n > 0)
-        for s in live:
-            s.reserve(cap)
-        for _ in _decode_rows(live, [n for n in budgets if n > 0], max_new_tokens, sampling, stop, time.perf_counter()):
+        for _ in _run(live, max_new_tokens, sampling, stop, time.perf_counter()):
             pass
     return [s._ids[start:] for s, start in zip(sessions, starts)]
