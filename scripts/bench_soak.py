@@ -118,7 +118,7 @@ def start_server(a, port: int, log) -> subprocess.Popen:
            "--max-batch", str(a.max_batch), "--state-cache", a.state_cache,
            "--state-cache-device-gb", tier_gb, "--state-cache-host-gb", tier_gb]
     if a.model_dir is not None:
-        cmd += ["--model", str(a.model_dir)]
+        cmd += ["--model", str(a.model_dir), "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + a.startup_timeout
     while not healthy(port):
