@@ -15,10 +15,9 @@ tok/s with the first decode step — where compilation happens — reported apar
 expert-cache counters) goes to stderr, or one JSON line to stdout with --json.
 Ctrl-C stops cleanly (exit status 130); bad options exit with status 2.
 
-Compiled programs persist across runs in XLA's compilation cache (keyed by the whole
-program; ftjax's programs name no host address, so a model compiles to the same program
-in every process): a second run or a restarted server loads its prefill and decode steps
-instead of compiling them. FTJAX_COMPILE_CACHE sets the directory (default
+Compiled programs persist across runs in XLA's compilation cache (`ftjax.compilation`):
+a second run or a restarted server loads its prefill and decode steps instead of
+compiling them. FTJAX_COMPILE_CACHE sets the directory (default
 $XDG_CACHE_HOME/ftjax/xla or ~/.cache/ftjax/xla; "0" turns it off).
 """
 
@@ -65,6 +64,9 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="host expert-kernel threads (default None: every core this process may use)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context length to allocate (default None: the model's maximum)")
+    p.add_argument("--numerics", choices=["auto", "exact", "fast"], default="auto",
+                   help="exact: f32 K/V cache; fast: bf16 K/V, as llama.cpp (half the bytes a long-context decode "
+                        "reads); auto: fast for bf16 / fp16 / quantised weights, exact for f32 ones")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="one device-memory budget (GiB) for weights, states, prefill scratch and the expert cache, "
                         "whose active slots yield to states as they grow; the cache buffer keeps its size "
@@ -141,7 +143,7 @@ def _load(args):
     t0 = time.perf_counter()
     model = ftjax.load(args.model, policy=args.policy, cache_slots=args.cache_slots,
                        cache_bytes=args.cache_bytes, threads=args.threads, max_seq_len=args.max_seq_len,
-                       bandwidth=tuple(args.bandwidth) if args.bandwidth else None,
+                       numerics=args.numerics, bandwidth=tuple(args.bandwidth) if args.bandwidth else None,
                        device_memory_bytes=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer.json; ftjax {args.command} needs text in and out")
@@ -355,29 +357,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def use_compile_cache() -> str | None:
-    """Point XLA's persistent compilation cache at FTJAX_COMPILE_CACHE (see the module
-    docstring) unless the process already set one. -> the directory in use, or None."""
-    import os
-    from pathlib import Path
-
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    where = os.environ.get("FTJAX_COMPILE_CACHE", str(base / "ftjax" / "xla"))
-    if where in ("", "0"):
-        return None
-    jax.config.update("jax_compilation_cache_dir", where)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the steps, not every small helper
-    jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # bytes; least recently used go first
-    return where
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    use_compile_cache()
+    from ftjax.compilation import enable_persistent_cache
+
+    enable_persistent_cache()
     try:
         # profile and bench own their flags
         if argv and argv[0] == "profile":

@@ -61,6 +61,8 @@ FFI_TARGET = "ftjax_expert_ffn"
 LINEAR_FFI_TARGET = "ftjax_linear"
 ATTENTION_FFI_TARGET = "ftjax_attention"
 WRITE_ROWS_FFI_TARGET = "ftjax_write_rows"
+START_FFI_TARGET = "ftjax_expert_start"
+FINISH_FFI_TARGET = "ftjax_expert_finish"
 
 
 class Boundary(enum.Enum):
@@ -168,6 +170,20 @@ def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(LINEAR_FFI_TARGET, _hk.ffi_linear(), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, _hk.ffi_attention(), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_ROWS_FFI_TARGET, _hk.ffi_write_rows(), platform="cpu")
+    jax.ffi.register_ffi_target(START_FFI_TARGET, _hk.ffi_expert_start(), platform="cpu")
+    jax.ffi.register_ffi_target(FINISH_FFI_TARGET, _hk.ffi_expert_finish(), platform="cpu")
+
+
+def pending_host_calls() -> int:
+    """Host expert calls started (`HostExecutor.expert_ffn_start`) and not yet finished."""
+    return _hk.pending_expert_calls()
+
+
+def drop_host_calls(older_than_s: float = 0.0) -> int:
+    """Wait for the queued host calls, then forget the uncollected ones done at least
+    `older_than_s` ago -> how many. A step that failed between start and finish leaves
+    its call behind; the runner forgets such calls itself a minute after they are done."""
+    return _hk.drop_finished_calls(older_than_s)
 
 
 def shared_threads(num_threads: int) -> _hk.ThreadPool:
@@ -367,6 +383,35 @@ class HostExecutor:
         if boundary is Boundary.FFI_CPU:
             return self._ffi_call(*args)
         return self._callback(*args)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether `expert_ffn_start` / `expert_ffn_finish` overlap host and device work
+        (the FFI boundary); elsewhere the pair is the blocking call, split in two."""
+        return default_boundary() is Boundary.FFI_CPU
+
+    def expert_ffn_start(self, x, layer, ids, weights) -> jax.Array:
+        """Queue `expert_ffn(x, layer, ids, weights)` on the host runner and return at
+        once -> a token [] int32 for `expert_ffn_finish`. Inside `jax.jit` (FFI boundary).
+        The caller orders the device work it wants overlapped after the start by data
+        (`after_start`) and before the finish (its `after` operand)."""
+        _register_ffi_targets()
+        call = jax.ffi.ffi_call(START_FFI_TARGET, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+        return call(jnp.asarray(x, jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()),
+                    jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32), **self._ffi_attributes())
+
+    @staticmethod
+    def after_start(token, a) -> jax.Array:
+        """`a` made to depend on the start: a + min(token, 0), which is `a` (tokens are
+        >= 0) but which XLA cannot fold away, not knowing the sign. (An
+        optimization_barrier does not do: XLA removes barriers before it schedules.)"""
+        return a + jnp.minimum(token, 0).astype(a.dtype)
+
+    def expert_ffn_finish(self, token, after, shape: tuple[int, int]) -> jax.Array:
+        """Wait for the token's call -> y [T, D] f32 (zeros for token 0: nothing ran).
+        `after` (any array) is computed before the wait: the overlapped device work."""
+        call = jax.ffi.ffi_call(FINISH_FFI_TARGET, jax.ShapeDtypeStruct(shape, jnp.float32), has_side_effect=True)
+        return call(token, after)
 
     def expert_ffn_numpy(self, x, layer, ids, weights, out: np.ndarray | None = None) -> np.ndarray:
         """Same computation, called directly from numpy (no jit); releases the GIL."""

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ftjax.checkpoint import Checkpoint, load_checkpoint, safetensors_files
+from ftjax.compilation import enable_persistent_cache
 from ftjax.config import ModelConfig
 from ftjax.engine import faults
 from ftjax.engine.memory import consumed
@@ -50,6 +51,7 @@ from ftjax.models import FAMILIES
 from ftjax.models.common import causal_lm, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+NUMERICS = ("auto", "exact", "fast")
 API_MAX_BATCH = 64  # rows the Python API decodes together; more sessions queue and join as rows leave
 
 
@@ -73,6 +75,7 @@ class Model:
     fingerprint: str = ""  # config + weights identity, checked when a snapshot is restored
     prefill_chunk: int = 4096  # longer prompts prefill in chunks of this many tokens
     kv_dtype: Any = jnp.float32  # storage of cached activations (attention K/V)
+    numerics: str = "exact"  # "exact" (f32 K/V) or "fast" (bf16 K/V): `load(numerics=...)`
     last_generation: GenerationStats | None = None
     memory: Any = field(default=None, repr=False)  # engine.memory.DeviceMemory (elastic budget) or None
     calibration: Calibration | None = field(default=None, repr=False)  # live B_P / B_H (adaptive split)
@@ -363,8 +366,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          max_seq_len: int | None = None, expert_dtype: str | None = None, dense_dtype: str | None = None,
          frequency: np.ndarray | None = None, prefill: str = "auto",
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
-         prefill_chunk: int = 4096, kv_dtype: str = "float32", device_memory_bytes: int | str | None = None,
-         calibrate: bool | None = None) -> Model:
+         prefill_chunk: int = 4096, kv_dtype: str | None = None, numerics: str = "auto",
+         device_memory_bytes: int | str | None = None, calibrate: bool | None = None,
+         overlap_host: bool = True) -> Model:
     """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
     its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
@@ -383,8 +387,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     backend), "cached" or "streamed"; keep_records: how many recent steps `expert_log()`
     keeps (0 = none, None = all; the counters of `stats()` are cumulative regardless);
     prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk));
-    kv_dtype: "float32" (default) or "bfloat16", the storage of the attention K/V cache
-    (bf16 halves the bytes a long-context decode step reads); device_memory_bytes: one
+    numerics: "exact" keeps every cached activation in f32 (what the parity suite checks
+    against transformers); "fast" stores the attention K/V cache in bf16, as llama.cpp
+    does (half the bytes a long-context decode step reads; perplexity within 0.5% of
+    exact, greedy tokens equal on the suite's prompts, checked by a test); "auto"
+    (default): fast for checkpoints whose weights are bf16 / fp16 / quantised, exact for
+    f32 ones (`numerics_for`); activations between layers are f32 in both; kv_dtype:
+    "float32" or "bfloat16" overrides the K/V storage numerics chose; device_memory_bytes: one
     budget for weights, states, prefill scratch and the expert cache, whose active slots
     shrink as states grow and grow back as they shrink; the cache buffer keeps its size,
     so no device memory is given back (`ftjax.engine.memory`; "auto": the
@@ -392,11 +401,18 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     (`lru`), re-estimate B_H from the host work the model does and move q with it
     (`Model.calibrate`, `ftjax.experts.calibration`); False keeps q as the bandwidths give
     it; None (default): on with the measured profile, off when `bandwidth` is given (the
-    numbers the caller gave pin the split: every record's q is the q* rule with them).
+    numbers the caller gave pin the split: every record's q is the q* rule with them);
+    overlap_host: under the cache policies, start the missed experts' host work before a
+    layer's transfers and device half and collect it after (`HostExecutor.expert_ffn_start`),
+    so the layer costs max(host, device) rather than their sum; False: one blocking call
+    after the device half (for comparison). Only where the boundary is the FFI (CPU backend).
     """
+    enable_persistent_cache()  # a restarted process reads its compiled programs back ($FTJAX_COMPILATION_CACHE)
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-    if kv_dtype not in kv_dtypes:
+    if kv_dtype is not None and kv_dtype not in kv_dtypes:
         raise ValueError(f"kv_dtype must be one of {sorted(kv_dtypes)}, got {kv_dtype!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     cores = default_threads()
@@ -413,6 +429,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     else:
         ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
     cfg = ckpt.config
+    numerics = numerics_for(ckpt) if numerics == "auto" else numerics
+    kv_dtype = kv_dtype or ("float32" if numerics == "exact" else "bfloat16")
     fam = FAMILIES.get(cfg.model_type)  # its optional hooks (None: a GGUF's own config)
     streamable = getattr(fam, "streamed_prefill", lambda cfg: True)(cfg)  # one layer per program possible
     if prefill == "streamed" and not streamable:
@@ -444,9 +462,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
             calibrate = explicit_bandwidth is None
         if pol.split == "adaptive" and calibrate:
             calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
+    pair = (host.expert_ffn_start, host.expert_ffn_finish, host.after_start) \
+        if host is not None and overlap_host and host.overlaps else None
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype,
-                             **expert_options)
+                             host_pair=pair, **expert_options)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: causal_lm(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
@@ -468,7 +488,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
                   _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
                   _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
                   stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
-                  kv_dtype=kv_dtypes[kv_dtype], calibration=calibration, _host=host)
+                  kv_dtype=kv_dtypes[kv_dtype], numerics=numerics, calibration=calibration, _host=host)
     if device_memory_bytes is not None:
         from ftjax.engine.memory import DeviceMemory, device_budget
 
@@ -478,6 +498,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
                 raise ValueError("device_memory_bytes='auto' needs an accelerator; on the CPU backend give a byte count")
         model.memory = DeviceMemory(model, device_memory_bytes)
     return model
+
+
+def numerics_for(ckpt: Checkpoint) -> str:
+    """What numerics="auto" means for a checkpoint: "exact" when its weights are all kept
+    in f32, else "fast" (their own rounding already exceeds bf16 K/V's)."""
+    f32 = ckpt.dense_dtype == "float32" and ckpt.pool.dtype == "float32" and not ckpt.dense_format
+    return "exact" if f32 else "fast"
 
 
 def streams(mode: str, threshold: int, num_tokens: int, device_is_host: bool) -> bool:

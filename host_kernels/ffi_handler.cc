@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 
+#include "async_experts.h"
 #include "attention.h"
 #include "expert_ffn.h"
 #include "linear.h"
@@ -201,6 +202,78 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   });
 }
 
+// The start / finish pair (async_experts.h): start checks and copies the operands,
+// queues the call and writes its token; finish waits for the token's result.
+ffi::Error expert_start_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::S32> token, int32_t pool_id,
+                             int64_t num_layers, int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
+                             int32_t down_dtype, float swiglu_limit, int64_t threads, int32_t isa) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions();
+  if (xd.size() != 2 || xd[1] != d_model)
+    return ffi::Error::InvalidArgument("ftjax_expert_start: x must be [T, d_model]");
+  if (idd.size() != 2 || idd[0] != xd[0] || wd.size() != 2 || wd[0] != idd[0] || wd[1] != idd[1])
+    return ffi::Error::InvalidArgument("ftjax_expert_start: ids, weights must be [T, K]");
+  if (layer.element_count() != 1 || token->element_count() != 1)
+    return ffi::Error::InvalidArgument("ftjax_expert_start: layer and the token must be scalars");
+  if (!ftjax::is_weight_type(dtype) || !ftjax::is_weight_type(down_dtype))
+    return ffi::Error::InvalidArgument("ftjax_expert_start: unknown dtype code");
+  const int32_t* id = ids.typed_data();
+  const int64_t n_ids = ids.element_count();
+  if (std::none_of(id, id + n_ids, [](int32_t i) { return i >= 0; })) {
+    token->typed_data()[0] = 0;  // nothing runs on the host for this record
+    return ffi::Error::Success();
+  }
+  const auto addresses = ftjax::expert_pool(pool_id);
+  if (!addresses)
+    return ffi::Error::InvalidArgument("ftjax_expert_start: no expert pool is registered as " +
+                                       std::to_string(pool_id) + " (its model was freed)");
+  auto call = std::make_unique<ftjax::AsyncExpertCall>();
+  call->pool = ftjax::PoolView{addresses->gate_up, addresses->down, num_layers, num_experts, d_model, d_ff,
+                               static_cast<WeightType>(dtype), static_cast<WeightType>(down_dtype), swiglu_limit};
+  call->layer = layer.typed_data()[0];
+  call->num_tokens = xd[0];
+  call->top_k = idd[1];
+  call->x.assign(x.typed_data(), x.typed_data() + x.element_count());
+  call->ids.assign(id, id + n_ids);
+  call->weights.assign(weights.typed_data(), weights.typed_data() + weights.element_count());
+  call->threads = ftjax::shared_thread_pool(static_cast<int>(threads));
+  call->isa = static_cast<Isa>(isa);
+  call->work = addresses->work;
+  call->fail = ftjax::take_injected_expert_fault();
+  token->typed_data()[0] = ftjax::start_expert_call(std::move(call));
+  return ffi::Error::Success();
+}
+
+ffi::Error expert_finish_body(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer after, ffi::ResultBuffer<ffi::F32> y) {
+  (void)after;  // an ordering operand: the device work this call was to overlap
+  if (token.element_count() != 1) return ffi::Error::InvalidArgument("ftjax_expert_finish: token must be a scalar");
+  const int32_t t = token.typed_data()[0];
+  float* out = y->typed_data();
+  const int64_t count = y->element_count();
+  if (t == 0) {
+    std::fill(out, out + count, 0.0f);
+    return ffi::Error::Success();
+  }
+  std::string err = ftjax::finish_expert_call(t, out, count);
+  if (!err.empty()) return ffi::Error::Internal("ftjax_expert_finish: " + err);
+  return ffi::Error::Success();
+}
+
+ffi::Error expert_start_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ids,
+                             ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::S32> token, int32_t pool_id,
+                             int64_t num_layers, int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
+                             int32_t down_dtype, float swiglu_limit, int64_t threads, int32_t isa) noexcept {
+  return guarded("ftjax_expert_start", [&] {
+    return expert_start_body(x, layer, ids, weights, token, pool_id, num_layers, num_experts, d_model, d_ff, dtype,
+                             down_dtype, swiglu_limit, threads, isa);
+  });
+}
+
+ffi::Error expert_finish_impl(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer after,
+                              ffi::ResultBuffer<ffi::F32> y) noexcept {
+  return guarded("ftjax_expert_finish", [&] { return expert_finish_body(token, after, y); });
+}
+
 ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                        int32_t wtype, int64_t threads, int32_t isa) noexcept {
   return guarded("ftjax_linear", [&] { return linear_body(x, w, y, wtype, threads, isa); });
@@ -280,6 +353,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
                                   .Attr<float>("swiglu_limit")  // inf: plain SwiGLU
                                   .Attr<int64_t>("threads")
                                   .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertStart, expert_start_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // token [] (0: nothing queued)
+                                  .Attr<int32_t>("pool_id")
+                                  .Attr<int64_t>("num_layers")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("d_model")
+                                  .Attr<int64_t>("d_ff")
+                                  .Attr<int32_t>("dtype")
+                                  .Attr<int32_t>("down_dtype")
+                                  .Attr<float>("swiglu_limit")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFinish, expert_finish_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // token []
+                                  .Arg<ffi::AnyBuffer>()         // after: ordering only, not read
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [T, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxWriteRows, write_rows_impl,
                               ffi::Ffi::Bind()

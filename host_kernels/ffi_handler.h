@@ -18,6 +18,14 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
 
+// FtjaxExpertStart / FtjaxExpertFinish: the expert FFN as a pair (async_experts.h).
+// Start takes FtjaxExpertFfn's operands and attributes and returns a token [] s32
+// (0: no id >= 0, nothing queued); finish takes (token, after) and returns y [T, D] f32,
+// `after` being any buffer the caller wants computed first (the overlapped device work).
+// Both are side-effecting custom calls: the program keeps them, in data-dependency order.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFinish);
+
 // FtjaxLinear: y [T, N] f32 = x [T, K] f32 . w^T, w [N, K] an operand (uint16 bf16
 // bits or f32, or a block format's uint8 rows [N, row bytes]; on the CPU backend a
 // device buffer *is* host memory, read in place). Attributes: wtype (int32 WeightType

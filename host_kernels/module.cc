@@ -22,6 +22,7 @@
 #include "attention.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
+#include "async_experts.h"
 #include "ffi_handler.h"
 #include "kernels.h"
 #include "linear.h"
@@ -300,6 +301,15 @@ NB_MODULE(_host_kernels, m) {
         "GB/s of each timed pass summing a num_bytes buffer.");
   m.def("ffi_expert_ffn", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFfn)); },
         "PyCapsule of the XLA FFI handler (CPU platform).");
+  m.def("ffi_expert_start", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertStart)); },
+        "XLA FFI handler: queue a routed-expert call on the host runner -> token");
+  m.def("ffi_expert_finish", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFinish)); },
+        "XLA FFI handler: wait for a token's routed-expert call -> y");
+  m.def("pending_expert_calls", &ftjax::pending_expert_calls,
+        "Host expert calls started and not yet collected by their finish.");
+  m.def("drop_finished_calls", &ftjax::drop_finished_calls, nb::arg("older_than_s"),
+        "Wait for queued host expert calls, then forget the uncollected ones done at least older_than_s ago "
+        "-> how many.");
   m.def("ffi_write_rows", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxWriteRows)); },
         "XLA FFI handler: in-place row write into a KV cache");
   m.def("ffi_linear", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxLinear)); },

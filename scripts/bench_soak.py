@@ -78,6 +78,7 @@ from bench_serve import MODEL, REPO, _free_port, one, pct, rss  # noqa: E402  (a
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 
+from ftjax.bench.models import default_model_with_context  # noqa: E402
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 SYSTEM = ("You are a coding agent working in a Python repository. Use the tools to look at the code, "
@@ -129,21 +130,6 @@ def start_server(a, port: int, log) -> subprocess.Popen:
             raise RuntimeError("server did not come up")
         time.sleep(0.5)
     return proc
-
-
-def long_context_model(context: int, folder: Path) -> Path:
-    """The default model's weights, tokenizer and template with a declared context of
-    `context` tokens: a folder of links and an edited config.json."""
-    from ftjax.model import DEFAULT_MODEL_DIR
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in DEFAULT_MODEL_DIR.iterdir():
-        if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
-    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    config["max_position_embeddings"] = context
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
 
 
 def healthy(port: int) -> bool:
@@ -530,7 +516,7 @@ def main(argv=None) -> int:
         a.sessions, a.turns, a.short = 2, 4, 40
     port = _free_port()
     with tempfile.TemporaryFile() as server_err, tempfile.TemporaryDirectory() as tmp:
-        a.model_dir = long_context_model(a.context, Path(tmp) / "model") if a.context else None
+        a.model_dir = default_model_with_context(a.context, Path(tmp) / "model") if a.context else None
         log(f"starting the server on 127.0.0.1:{port} (--warmup, --state-cache {a.state_cache}"
             f"{f', context {a.context}' if a.context else ''})")
         proc = start_server(a, port, server_err)

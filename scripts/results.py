@@ -505,8 +505,10 @@ def memory_tables(run: Run):
     resident memory at the start of the measured phase and at its end."""
     rows = []
     for x in run.bench("serve_agent_soak"):
+        hist = x.get("agent_history_tokens") or {}
+        long = f", agent histories p50 {hist['p50']:,} tokens (context {x.get('context'):,})" if hist.get("p50") else ""
         rows.append([Text(f"`bench_soak.py`, {x.get('requests')} requests, state cache {x.get('state_cache')} "
-                          f"({x.get('state_cache_budget_mib')} MiB)"),
+                          f"({x.get('state_cache_budget_mib')} MiB){long}"),
                      Value(x.get("rss_mib_baseline"), x), Value(x.get("rss_mib_end"), x),
                      Ratio(Value(x.get("rss_mib_end"), x), Value(x.get("rss_mib_baseline"), x))])
     for x in run.bench("serve_soak"):
@@ -517,6 +519,42 @@ def memory_tables(run: Run):
         return [], []
     return [Table(run.name, ["run", "server RSS at start MiB", "server RSS at end MiB", "end / start (ratio)"], rows,
                   run)], []
+
+
+def prompt_tables(run: Run):
+    """`scripts/bench_prompt_cost.py` lines: prefill seconds per prompt length with the
+    padding-bounded pieces against one power-of-two-padded call, first call (compile
+    included) in a fresh process and in a restarted one (persistent compilation cache)."""
+    rows = []
+    for x in run.bench("prompt_cost"):
+        for r in x.get("rows") or []:
+            warm, pow2 = Value(r["warm_s"], x), Value(r["pow2_warm_s"], x)
+            rows.append([Text(f"{r['tokens']:,} tokens: pieces {'+'.join(map(str, r['pieces']))}, "
+                              f"padded {r['padded']:,} (power-of-two rule {r['pow2_padded']:,})"),
+                         warm, pow2, Ratio(pow2, warm), Value(r["first_s"], x), Value(r["restart_first_s"], x)])
+    if not rows:
+        return [], []
+    header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces", "first call s (compiles)",
+              "first call s, restarted process"]
+    return [Table(run.name, header, rows, run)], []
+
+
+def overlap_tables(run: Run):
+    """`scripts/bench_host_overlap.py` lines: a synthetic layer's host and device halves
+    alone, one after the other, with no order between them, and as the start / finish pair."""
+    rows = []
+    for x in run.bench("host_overlap"):
+        longest = Value(max(x["host_ms"], x["device_ms"]), x)
+        pair, serial = Value(x["pair_ms"], x), Value(x["serial_ms"], x)
+        rows.append([Text(f"{x['tokens']} tokens x {x['experts']} experts ({x['d_model']} x {x['d_ff']}, "
+                          f"{x['host_threads']} host thread) | {x['device_matmuls']} matmuls"),
+                     Value(x["host_ms"], x), Value(x["device_ms"], x), serial, Value(x["blocking_ms"], x), pair,
+                     Ratio(pair, longest), Ratio(serial, longest)])
+    if not rows:
+        return [], []
+    header = ["layer: host half | device half", "host ms", "device ms", "serial ms", "no order ms", "pair ms",
+              "pair / max", "serial / max"]
+    return [Table(run.name, header, rows, run)], []
 
 
 def decode_gaps(runs: list[Run]) -> list[str]:
@@ -593,6 +631,21 @@ QUESTIONS = [
              "B sessions decoded together in one step (`scripts/bench_batch.py`): total tokens per second.",
              [batch_tables],
              "`scripts/bench_batch.py --policies host lru --batches 1 2 4 8`"),
+    Question("prompt", "Prompt cost against length",
+             "Prefill seconds of one prompt into a new session on the embedded model's weights at a declared context "
+             "of 16,384 tokens (`ftjax.bench.models.default_model_with_context`): the pieces of "
+             "`ftjax/engine/shapes.py` (padding within 12.5%) against one call per chunk padded to a power of two, "
+             "and the first call of each length in a fresh process (compiling) and in a restarted one that reads "
+             "the persistent compilation cache.",
+             [prompt_tables],
+             "`scripts/bench_prompt_cost.py | tail -1 >> docs/results/prompt/DATE/prompt.jsonl`"),
+    Question("overlap", "Host and device halves of a layer",
+             "A synthetic MoE layer (`scripts/bench_host_overlap.py`): the host expert kernel and an XLA matmul "
+             "chain of about the same time, alone, one after the other (serial), with no order between them (XLA's "
+             "CPU runtime may overlap them itself) and as the start / finish pair the executor uses; XLA kept to "
+             "one core, the host kernel on the other.",
+             [overlap_tables],
+             "`scripts/bench_host_overlap.py | tail -1 >> docs/results/overlap/DATE/overlap.jsonl` (3 runs)"),
     Question("compile", "Compile time of a fresh model",
              "XLA backend compile seconds of a fresh model's first prompt and first decode step, and the wall time of "
              "that first prompt (`scripts/bench_compile.py`; no persistent compilation cache).",

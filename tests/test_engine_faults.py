@@ -188,13 +188,19 @@ def test_python_api_decodes_on_the_models_scheduler(model):
     assert model.api_scheduler().pending() == 0
 
 
+def session_after(model, ids, *calls):
+    """A session holding ids, then continued by generate(n) for each n in calls."""
+    s = model.session()
+    s.append(ids)
+    for n in calls:
+        s.generate(n)
+    return s
+
+
 def test_a_closed_stream_hands_its_state_back(model):
     """Stopping a stream early leaves the session where it stopped, able to go on."""
     ids = chat_ids(model, "Tell me of 3")
-    ref = model.session()
-    ref.append(ids)
-    ref.generate(3)
-    ref.generate(5)
+    ref = session_after(model, ids, 3, 5)
     s = model.session()
     s.append(ids)
     stream = s.generate_stream(20)
@@ -209,13 +215,8 @@ def test_a_failed_decode_in_the_python_api_raises_and_the_session_goes_on(model)
     """The step's error reaches the caller; the session keeps its tokens, re-prefills
     them on its next call and continues as if nothing happened."""
     ids = chat_ids(model, "Tell me of 5")
-    ref = model.session()
-    ref.append(ids)
-    ref.generate(4)
-    ref.generate(4)
-    s = model.session()
-    s.append(ids)
-    s.generate(4)
+    ref = session_after(model, ids, 4, 4)
+    s = session_after(model, ids, 4)
     faults.arm("decode")
     with pytest.raises(faults.InjectedFault):
         s.generate(4)

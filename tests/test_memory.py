@@ -40,11 +40,12 @@ def test_set_active_slots_disables_free_then_oldest_and_grows_back():
 
 @pytest.fixture(scope="module")
 def reference():
-    return ftjax.load(policy="device")
+    return ftjax.load(policy="device", numerics="exact")  # f32 K/V: the sizes the tests name
 
 
 def _elastic(budget_mib: float):
-    return ftjax.load(policy="lru", cache_slots=96, bandwidth=(1.0, 1.0), device_memory_bytes=int(budget_mib * MiB))
+    return ftjax.load(policy="lru", cache_slots=96, bandwidth=(1.0, 1.0), device_memory_bytes=int(budget_mib * MiB),
+                      numerics="exact")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_server_refuses_what_cannot_fit_and_shows_the_split(probe):
 
     budget_gb = (probe.weights + probe.scratch + 40 * probe.slot_bytes + 4 * MiB) / 2**30
     with serving.server("--policy", "lru", "--cache-slots", "96", "--bandwidth", "1", "1",
-                        "--device-memory-gb", f"{budget_gb:.6f}", "--state-cache", "off") as port:
+                        "--device-memory-gb", f"{budget_gb:.6f}", "--state-cache", "off", "--numerics", "exact") as port:
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         r = oai.chat.completions.create(model="ftjax-default", messages=[{"role": "user", "content": "Hello"}],
                                         max_tokens=8, temperature=0)

@@ -43,7 +43,7 @@ import numpy as np
 
 from ftjax.engine.memory import tree_bytes
 from ftjax.engine.sampling import apply_bias, sample
-from ftjax.engine.shapes import MIN_CAPACITY, MIN_PROMPT_BUCKET, bucket  # noqa: F401 (re-exported)
+from ftjax.engine.shapes import MIN_CAPACITY, MIN_PROMPT_BUCKET, bucket, prefill_pieces  # noqa: F401 (re-exported)
 from ftjax.engine.stops import StopMatcher, check_stops
 from ftjax.engine.telemetry import Timing
 from ftjax.models.common import resize_state
@@ -231,13 +231,14 @@ class Session:
                              f"{self.model.max_seq_len} tokens (max_seq_len)")
 
     def _prefill(self, ids: np.ndarray, all_logits: bool = False):
-        """Feed ids [T] from the fed position, in chunks of at most `model.prefill_chunk`
-        tokens (activation memory O(chunk)) -> logits ([1, T, V] or [1, V]), device."""
-        C = self.model.prefill_chunk
+        """Feed ids [T] from the fed position, in pieces of at most `model.prefill_chunk`
+        tokens (activation memory O(chunk)) cut so that padding stays small
+        (`shapes.prefill_pieces`) -> logits ([1, T, V] or [1, V]), device."""
         self.reserve(self._fed + ids.size)
-        if ids.size <= C:
+        sizes = prefill_pieces(ids.size, self.model.prefill_chunk)
+        if len(sizes) == 1:
             return self._prefill_chunk(ids, all_logits)
-        chunks = [ids[i:i + C] for i in range(0, ids.size, C)]
+        chunks = np.split(ids, np.cumsum(sizes)[:-1])
         parts = [self._prefill_chunk(c, all_logits) for c in chunks]
         return jnp.concatenate([p[:, :c.size] for p, c in zip(parts, chunks)], axis=1) if all_logits else parts[-1]
 

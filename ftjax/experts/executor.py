@@ -355,7 +355,8 @@ class Executor:
 
     def __init__(self, policy: Policy, *, num_layers: int, num_experts: int, slots: int,
                  transfer_ratio: float, host_fn: HostFn | None, residents: np.ndarray | None = None,
-                 weight_format: str = "float32", swiglu_limit: float | None = None):
+                 weight_format: str = "float32", swiglu_limit: float | None = None,
+                 host_pair: tuple[Callable, Callable, Callable] | None = None):
         self.policy, self.num_layers, self.num_experts = policy, num_layers, num_experts
         self.swiglu_limit = swiglu_limit  # clamped SwiGLU on the device (the host_fn must clamp alike)
         self.weight_format = weight_format
@@ -366,6 +367,9 @@ class Executor:
         if policy.name != "device" and host_fn is None:
             raise ValueError(f"policy {policy.name!r} needs the host expert kernel")
         self.host_fn = host_fn
+        # (start, finish, after_start): the host kernel split so that the device half runs
+        # in between (`HostExecutor.expert_ffn_start`); None: one blocking call after it
+        self.host_pair = host_pair
         self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1] (the initial table)
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
 
@@ -431,19 +435,27 @@ class Executor:
             (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), sel, base, E, S, table,
                                                                   self.max_fetch(A), *book, t)
             expert, victim, do = copies
-            cache = copy_in(state["cache"], pool, layer, expert, victim, jnp.sum(do))
+            n_copies = jnp.sum(do)
         else:
             (slot_of, id_of_slot, stamp), codes, fetched, target = lru_many(sel, base, E, S, table, *book, t)
-            fetched_ids = jnp.nonzero(fetched, size=E, fill_value=0)[0]  # ascending
-            cache = copy_in(state["cache"], pool, layer, fetched_ids, target[fetched_ids], jnp.sum(fetched))
+            expert = jnp.nonzero(fetched, size=E, fill_value=0)[0]  # ascending
+            victim, n_copies = target[expert], jnp.sum(fetched)
 
         # after the update, an assignment runs on the device iff its expert is resident
         safe = jnp.maximum(ids, 0)
         slot = slot_of[base + safe]  # [N, K]
         dev_rows = jnp.where(ids >= 0, slot, -1)
         host_ids = jnp.where((ids >= 0) & (slot < 0), ids, -1)
+        if self.host_pair is not None:  # host work starts first; transfers and the device half run meanwhile
+            start, finish, after_start = self.host_pair
+            token = start(x, jnp.int32(layer), host_ids, weights)
+            expert, dev_rows = after_start(token, expert), after_start(token, dev_rows)
+        cache = copy_in(state["cache"], pool, layer, expert, victim, n_copies)
         y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.fmt, limit=self.swiglu_limit)
-        y = y + self._host_part(x, layer, host_ids, weights).astype(y.dtype)
+        if self.host_pair is None:
+            y = y + self._host_part(x, layer, host_ids, weights).astype(y.dtype)
+        else:
+            y = y + finish(token, y, x.shape).astype(y.dtype)  # waits after the device half (y is its operand)
         return y, {**state, "cache": cache, "slot_of": slot_of, "id_of_slot": id_of_slot, "stamp": stamp,
                    "t": t, "codes": state["codes"].at[layer].set(codes)}
 
@@ -479,8 +491,9 @@ class Executor:
 
 def make_executor(policy: Policy, *, num_layers: int, num_experts: int, slots: int, transfer_ratio: float,
                   host_fn: HostFn | None, frequency: np.ndarray | None = None,
-                  weight_format: str = "float32", swiglu_limit: float | None = None) -> Executor:
+                  weight_format: str = "float32", swiglu_limit: float | None = None,
+                  host_pair: tuple[Callable, Callable, Callable] | None = None) -> Executor:
     residents = static_residents(policy, slots, num_layers, num_experts, frequency)
     return Executor(policy, num_layers=num_layers, num_experts=num_experts, slots=slots,
                     transfer_ratio=transfer_ratio, host_fn=host_fn, residents=residents,
-                    weight_format=weight_format, swiglu_limit=swiglu_limit)
+                    weight_format=weight_format, swiglu_limit=swiglu_limit, host_pair=host_pair)

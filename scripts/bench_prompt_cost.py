@@ -1,0 +1,130 @@
+"""Prompt cost against prompt length: does prefill time follow the real token count, and
+what do compilation and a restart add?
+
+The default model's weights at a declared context of --context tokens
+(`ftjax.bench.models.default_model_with_context`), random prompts of each --lengths
+(defaults straddle power-of-two boundaries: 1,000 / 1,100, 3,945 / 4,169, ...), each
+prefilled into a new session. Three child processes, each on its own, one after the
+other:
+  cold      an empty compilation-cache folder: `first_s` includes compiling
+  restart   a new process on the folder `cold` filled: what a restarted server pays
+  pow2      the previous rule, one call per `prefill_chunk` padded to a power of two
+            (ftjax.engine.session.prefill_pieces replaced), warm, for comparison
+In each, after the first call, --repeats more calls give `warm_s` (median).
+
+Prints ONE JSON line: per length the pieces and padded tokens of both rules, first /
+warm / restart seconds and warm tokens per second; `warm_s_per_token_spread` = max / min
+of warm seconds per token over lengths >= 1,000 (1.0: cost follows the tokens exactly),
+for the pieces rule and for pow2; commit and machine.
+
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_cost.py [--context 16384] [--lengths ...] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
+
+LENGTHS = [1000, 1100, 2000, 2100, 3945, 4169, 7900, 8300, 15000]
+
+
+def pow2_pieces(n: int, chunk: int) -> list[int]:
+    """The previous rule: calls of `chunk` tokens, the last padded to a power of two."""
+    return [min(chunk, n - i) for i in range(0, n, chunk)]
+
+
+def child(a) -> dict:
+    import numpy as np
+
+    import ftjax
+    from ftjax.bench.models import default_model_with_context
+    from ftjax.engine import session as session_module
+    from ftjax.engine.shapes import bucket, prefill_pieces
+
+    if a.rule == "pow2":
+        session_module.prefill_pieces = pow2_pieces
+    rule = pow2_pieces if a.rule == "pow2" else prefill_pieces
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ftjax.load(default_model_with_context(a.context, Path(tmp) / "model"))
+        rng = np.random.default_rng(0)
+        rows = []
+        for n in a.lengths:
+            ids = rng.integers(0, model.config.vocab_size, n).astype(np.int32)
+            times = []
+            for _ in range(1 + a.repeats):
+                s = model.session()
+                t0 = time.perf_counter()
+                s.append(ids)
+                times.append(time.perf_counter() - t0)
+                s.close()
+            pieces = rule(n, model.prefill_chunk)
+            rows.append({"tokens": n, "pieces": pieces, "padded": sum(pieces[:-1]) + bucket(pieces[-1]),
+                         "first_s": round(times[0], 4), "warm_s": round(statistics.median(times[1:]), 4)})
+    return {"rows": rows, "prefill_chunk": model.prefill_chunk}
+
+
+def run_child(a, rule: str, cache: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--rule", rule, "--context", str(a.context), "--repeats",
+           str(a.repeats), "--lengths", *map(str, a.lengths)]
+    out = subprocess.run(cmd, env={**os.environ, "FTJAX_COMPILE_CACHE": cache}, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{rule} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spread(rows: list[dict]) -> float:
+    per_token = [r["warm_s"] / r["tokens"] for r in rows if r["tokens"] >= 1000]
+    return round(max(per_token) / min(per_token), 3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rule", choices=["pieces", "pow2"], default="pieces", help=argparse.SUPPRESS)
+    add_allow_dirty_argument(ap)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a)))
+        return 0
+    check_clean_or_exit(a.allow_dirty)
+    if max(a.lengths) >= a.context:
+        ap.error(f"--lengths must stay below --context {a.context}")
+    with tempfile.TemporaryDirectory() as cache:
+        cold = run_child(a, "pieces", cache)
+        restart = run_child(a, "pieces", cache)
+    with tempfile.TemporaryDirectory() as cache:
+        pow2 = run_child(a, "pow2", cache)
+    rows = []
+    for c, r, p in zip(cold["rows"], restart["rows"], pow2["rows"]):
+        rows.append({"tokens": c["tokens"], "pieces": c["pieces"], "padded": c["padded"], "first_s": c["first_s"],
+                     "warm_s": c["warm_s"], "restart_first_s": r["first_s"],
+                     "warm_tok_per_s": round(c["tokens"] / c["warm_s"], 1), "pow2_pieces": p["pieces"],
+                     "pow2_padded": p["padded"], "pow2_warm_s": p["warm_s"]})
+    line = {"bench": "prompt_cost", "model": "ftjax-default", "context": a.context,
+            "prefill_chunk": cold["prefill_chunk"], "repeats": a.repeats, "rows": rows,
+            "warm_s_per_token_spread": spread(cold["rows"]), "pow2_warm_s_per_token_spread": spread(pow2["rows"]),
+            "first_s_total": round(sum(r["first_s"] for r in rows), 2),
+            "restart_first_s_total": round(sum(r["restart_first_s"] for r in rows), 2),
+            **commit_info(), **machine_info(), **run_fields()}
+    print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

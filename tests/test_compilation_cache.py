@@ -1,0 +1,40 @@
+"""The persistent compilation cache: a restarted process reads its programs back.
+
+Each case runs a fresh Python process (the cache is per process state in JAX) that
+loads the default model and generates; the folder comes from FTJAX_COMPILE_CACHE."""
+
+import json
+import os
+import subprocess
+import sys
+
+CHILD = """
+import json, jax, ftjax
+m = ftjax.load()
+tokens = m.generate(m.tokenizer.encode("To be, or not to be"), 4)
+print(json.dumps({"folder": jax.config.jax_compilation_cache_dir, "tokens": tokens}))
+"""
+
+
+def run(env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_nothing_new(tmp_path):
+    folder = tmp_path / "xla"
+    first = run({"FTJAX_COMPILE_CACHE": str(folder)})
+    entries = set(os.listdir(folder))
+    assert first["folder"] == str(folder) and entries, "the first process wrote no compiled program"
+    second = run({"FTJAX_COMPILE_CACHE": str(folder)})
+    assert second["tokens"] == first["tokens"]
+    assert set(os.listdir(folder)) == entries, "the second process compiled programs the first had written"
+
+
+def test_off_and_the_users_own_folder(tmp_path):
+    assert run({"FTJAX_COMPILE_CACHE": "0"})["folder"] is None
+    own = tmp_path / "mine"
+    got = run({"FTJAX_COMPILE_CACHE": str(tmp_path / "ours"), "JAX_COMPILATION_CACHE_DIR": str(own)})
+    assert got["folder"] == str(own) and not (tmp_path / "ours").exists()

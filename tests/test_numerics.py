@@ -1,0 +1,48 @@
+"""numerics="auto" on the embedded default model (bf16 weights) stores K/V in bf16 ("fast");
+it must cost no quality: held-out perplexity within 0.5% of "exact" (f32 K/V) on every
+shipped text, and the same greedy tokens on the suite's prompts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ftjax
+from ftjax.bench.quality import held_out_nll
+from ftjax.bench.traces import text_prompts
+from ftjax.data import corpus
+
+CHATS = ["Tell me of 0", "Once upon a time", "Find the passage of the cache code that begins \"def evict\"."]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return ftjax.load(), ftjax.load(numerics="exact")
+
+
+def test_auto_means_fast_for_bf16_weights_and_exact_for_f32(models, tmp_path):
+    fast, exact = models
+    assert (fast.numerics, fast.kv_dtype, exact.numerics, exact.kv_dtype) == ("fast", jnp.bfloat16, "exact",
+                                                                              jnp.float32)
+    s = fast.session()
+    s.append([1, 2, 3])
+    assert {a.dtype for a in jax.tree.leaves(s._state)} == {jnp.dtype(jnp.bfloat16)}
+    assert fast.fingerprint != exact.fingerprint  # a snapshot of one does not restore into the other
+    assert ftjax.load(expert_dtype="float32", dense_dtype="float32").numerics == "exact"
+    assert ftjax.load(numerics="exact", kv_dtype="bfloat16").kv_dtype == jnp.bfloat16  # an explicit kv_dtype wins
+    with pytest.raises(ValueError, match="numerics must be one of auto, exact, fast"):
+        ftjax.load(numerics="approximate")
+
+
+def test_fast_keeps_perplexity_and_greedy_tokens(models):
+    fast, exact = models
+    tok = fast.tokenizer
+    for name in corpus.names():
+        ids = tok.encode(corpus.split(name)[1][:6000])[:769]  # 3 windows of 256 predicted tokens
+        ppl_fast, ppl_exact = np.exp(held_out_nll(fast, ids)), np.exp(held_out_nll(exact, ids))
+        assert abs(ppl_fast / ppl_exact - 1) <= 0.005, (name, ppl_fast, ppl_exact)
+    prompts = [p for name in corpus.names() for p in text_prompts(tok, name, 2, 64)]
+    prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))
+                for c in CHATS]
+    for ids in prompts:
+        assert fast.generate(ids, 32) == exact.generate(ids, 32), tok.decode(ids)
