@@ -13,9 +13,11 @@ other:
 In each, after the first call, --repeats more calls give `warm_s` (median).
 
 Prints ONE JSON line: per length the pieces and padded tokens of both rules, first /
-warm / restart seconds and warm tokens per second; `warm_s_per_token_spread` = max / min
-of warm seconds per token over lengths >= 1,000 (1.0: cost follows the tokens exactly),
-for the pieces rule and for pow2; commit and machine.
+warm / restart seconds and warm tokens per second; `neighbours`: for each pair of
+lengths less than 15% apart (1,000 / 1,100, ...), the warm seconds per token of the
+longer over the shorter, for the pieces rule and for pow2 (1.0: cost follows the tokens;
+attention's growth with context alone adds a few percent), and the largest of them;
+commit and machine.
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_cost.py [--context 16384] [--lengths ...] [--repeats 3]
 """
@@ -85,9 +87,12 @@ def run_child(a, rule: str, cache: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def spread(rows: list[dict]) -> float:
-    per_token = [r["warm_s"] / r["tokens"] for r in rows if r["tokens"] >= 1000]
-    return round(max(per_token) / min(per_token), 3)
+def neighbours(rows: list[dict], key: str) -> list[dict]:
+    """Seconds per token of each length over its shorter neighbour's, for lengths < 15% apart."""
+    rows = sorted(rows, key=lambda r: r["tokens"])
+    return [{"tokens": [a["tokens"], b["tokens"]],
+             "per_token_ratio": round((b[key] / b["tokens"]) / (a[key] / a["tokens"]), 3)}
+            for a, b in zip(rows, rows[1:]) if b["tokens"] < 1.15 * a["tokens"]]
 
 
 def main(argv=None) -> int:
@@ -118,7 +123,10 @@ def main(argv=None) -> int:
                      "pow2_padded": p["padded"], "pow2_warm_s": p["warm_s"]})
     line = {"bench": "prompt_cost", "model": "ftjax-default", "context": a.context,
             "prefill_chunk": cold["prefill_chunk"], "repeats": a.repeats, "rows": rows,
-            "warm_s_per_token_spread": spread(cold["rows"]), "pow2_warm_s_per_token_spread": spread(pow2["rows"]),
+            "neighbours": neighbours(rows, "warm_s"), "pow2_neighbours": neighbours(rows, "pow2_warm_s"),
+            "max_neighbour_ratio": max((n["per_token_ratio"] for n in neighbours(rows, "warm_s")), default=None),
+            "pow2_max_neighbour_ratio": max((n["per_token_ratio"] for n in neighbours(rows, "pow2_warm_s")),
+                                            default=None),
             "first_s_total": round(sum(r["first_s"] for r in rows), 2),
             "restart_first_s_total": round(sum(r["restart_first_s"] for r in rows), 2),
             **commit_info(), **machine_info(), **run_fields()}
