@@ -544,11 +544,11 @@ def overlap_tables(run: Run):
     alone, one after the other, with no order between them, and as the start / finish pair."""
     rows = []
     for x in run.bench("host_overlap"):
-        longest = Value(max(x["host_ms"], x["device_ms"]), x)
-        pair, serial = Value(x["pair_ms"], x), Value(x["serial_ms"], x)
-        rows.append([Text(f"{x['tokens']} tokens x {x['experts']} experts ({x['d_model']} x {x['d_ff']}, "
-                          f"{x['host_threads']} host thread) | {x['device_matmuls']} matmuls"),
-                     Value(x["host_ms"], x), Value(x["device_ms"], x), serial, Value(x["blocking_ms"], x), pair,
+        longest = Value(max(x.get("host_ms"), x.get("device_ms")), x)
+        pair, serial = Value(x.get("pair_ms"), x), Value(x.get("serial_ms"), x)
+        rows.append([Text(f"{x.get('tokens')} tokens x {x.get('experts')} experts ({x.get('d_model')} x {x.get('d_ff')}, "
+                          f"{x.get('host_threads')} host thread) | {x.get('device_matmuls')} matmuls"),
+                     Value(x.get("host_ms"), x), Value(x.get("device_ms"), x), serial, Value(x.get("blocking_ms"), x), pair,
                      Ratio(pair, longest), Ratio(serial, longest)])
     if not rows:
         return [], []
