@@ -534,7 +534,7 @@ def prompt_tables(run: Run):
                          warm, pow2, Ratio(pow2, warm), Value(r["first_s"], x), Value(r["restart_first_s"], x)])
     if not rows:
         return [], []
-    header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces", "first call s (compiles)",
+    header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces (ratio)", "first call s (compiles)",
               "first call s, restarted process"]
     return [Table(run.name, header, rows, run)], []
 
@@ -547,13 +547,13 @@ def overlap_tables(run: Run):
         longest = Value(max(x.get("host_ms"), x.get("device_ms")), x)
         pair, serial = Value(x.get("pair_ms"), x), Value(x.get("serial_ms"), x)
         rows.append([Text(f"{x.get('tokens')} tokens x {x.get('experts')} experts ({x.get('d_model')} x {x.get('d_ff')}, "
-                          f"{x.get('host_threads')} host thread) | {x.get('device_matmuls')} matmuls"),
+                          f"{x.get('host_threads')} host thread); {x.get('device_matmuls')} matmuls"),
                      Value(x.get("host_ms"), x), Value(x.get("device_ms"), x), serial, Value(x.get("blocking_ms"), x), pair,
                      Ratio(pair, longest), Ratio(serial, longest)])
     if not rows:
         return [], []
-    header = ["layer: host half | device half", "host ms", "device ms", "serial ms", "no order ms", "pair ms",
-              "pair / max", "serial / max"]
+    header = ["layer: host half; device half", "host ms", "device ms", "serial ms", "no order ms", "pair ms",
+              "pair / max (ratio)", "serial / max (ratio)"]
     return [Table(run.name, header, rows, run)], []
 
 
