@@ -172,6 +172,19 @@ def _register_ffi_targets() -> None:
     jax.ffi.register_ffi_target(WRITE_ROWS_FFI_TARGET, _hk.ffi_write_rows(), platform="cpu")
     jax.ffi.register_ffi_target(START_FFI_TARGET, _hk.ffi_expert_start(), platform="cpu")
     jax.ffi.register_ffi_target(FINISH_FFI_TARGET, _hk.ffi_expert_finish(), platform="cpu")
+    if CUDA_PAIR:  # the pair's stream-ordered CUDA handlers (host_kernels/async_experts_cuda.cc)
+        jax.ffi.register_ffi_target(START_FFI_TARGET, _hk.ffi_expert_start_cuda(), platform="CUDA")
+        jax.ffi.register_ffi_target(FINISH_FFI_TARGET, _hk.ffi_expert_finish_cuda(), platform="CUDA")
+
+
+CUDA_PAIR = bool(_hk.built_with_cuda)  # this build has the CUDA handlers of the start / finish pair
+
+
+def pair_available(platform: str | None = None) -> bool:
+    """Whether the start / finish pair has handlers for this backend: the CPU FFI ones
+    always, the CUDA ones where the package was built with the CUDA toolkit."""
+    platform = platform or jax.default_backend()
+    return platform == "cpu" or (platform == "gpu" and CUDA_PAIR)
 
 
 def pending_host_calls() -> int:
@@ -386,9 +399,8 @@ class HostExecutor:
 
     @property
     def overlaps(self) -> bool:
-        """Whether `expert_ffn_start` / `expert_ffn_finish` overlap host and device work
-        (the FFI boundary); elsewhere the pair is the blocking call, split in two."""
-        return default_boundary() is Boundary.FFI_CPU
+        """Whether `expert_ffn_start` / `expert_ffn_finish` have handlers on this backend."""
+        return pair_available()
 
     def expert_ffn_start(self, x, layer, ids, weights) -> jax.Array:
         """Queue `expert_ffn(x, layer, ids, weights)` on the host runner and return at

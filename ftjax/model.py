@@ -295,7 +295,8 @@ class Model:
         hits, fetched, host, streamed = (int(counts[c]) for c in (HIT, FETCHED, HOST, STREAMED))
         t = self._telemetry.timing
         return {
-            "policy": self.policy, "cache_slots": self._steps.executor.slots,
+            "policy": self.policy, "cache_slots": self._steps.executor.slots, "numerics": self.numerics,
+            "kv_dtype": jnp.dtype(self.kv_dtype).name, "host_overlap": self._steps.executor.host_pair is not None,
             "selections": hits + fetched + host + streamed, "hits": hits, "misses": fetched + host + streamed,
             "fetched": fetched, "host_computed": host, "streamed": streamed, "bytes_streamed": t.bytes_streamed,
             "bytes_fetched": fetched * self.checkpoint.pool.expert_bytes,
@@ -368,7 +369,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
          prefill_chunk: int = 4096, kv_dtype: str | None = None, numerics: str = "auto",
          device_memory_bytes: int | str | None = None, calibrate: bool | None = None,
-         overlap_host: bool = True) -> Model:
+         overlap_host: bool | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
     its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
@@ -405,7 +406,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     overlap_host: under the cache policies, start the missed experts' host work before a
     layer's transfers and device half and collect it after (`HostExecutor.expert_ffn_start`),
     so the layer costs max(host, device) rather than their sum; False: one blocking call
-    after the device half (for comparison). Only where the boundary is the FFI (CPU backend).
+    after the device half; None (default): the pair on the CPU backend, the blocking call
+    on a GPU (the CUDA handlers build but have not run on a GPU yet: True asks for them).
     """
     enable_persistent_cache()  # a restarted process reads its compiled programs back ($FTJAX_COMPILATION_CACHE)
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -462,8 +464,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
             calibrate = explicit_bandwidth is None
         if pol.split == "adaptive" and calibrate:
             calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
-    pair = (host.expert_ffn_start, host.expert_ffn_finish, host.after_start) \
-        if host is not None and overlap_host and host.overlaps else None
+    if overlap_host is None:
+        overlap_host = jax.default_backend() == "cpu"
+    if overlap_host and host is not None and not host.overlaps:
+        raise ValueError(f"overlap_host=True: this build has no start / finish handlers for the "
+                         f"{jax.default_backend()} backend (the CUDA ones are built only with the CUDA toolkit)")
+    pair = (host.expert_ffn_start, host.expert_ffn_finish, host.after_start) if host is not None and overlap_host \
+        else None
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype,
                              host_pair=pair, **expert_options)

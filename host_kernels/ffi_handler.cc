@@ -13,6 +13,7 @@
 #include "attention.h"
 #include "expert_ffn.h"
 #include "linear.h"
+#include "ffi_common.h"
 #include "registry.h"
 
 namespace ffi = xla::ffi;
@@ -38,23 +39,6 @@ namespace {
 
 using ftjax::Isa;
 using ftjax::WeightType;
-
-// No C++ exception may cross the FFI boundary into XLA (it would call std::terminate
-// and kill the process): every handler body runs inside `guarded`, which turns an
-// exception (std::bad_alloc from an absurd scratch size, std::length_error, ...) into
-// an ffi::Error carrying the message, raised in Python as a runtime error.
-template <typename Body>
-ffi::Error guarded(const char* target, Body&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::bad_alloc& e) {
-    return ffi::Error::Internal(std::string(target) + ": out of memory (std::bad_alloc: " + e.what() + ")");
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(target) + ": " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(target) + ": unknown C++ exception");
-  }
-}
 
 // What the routed-expert handler did, for online bandwidth calibration: the pool's
 // registered int64[3] {calls, nanoseconds in the kernel, distinct experts read (the kernel's own
@@ -186,7 +170,7 @@ ffi::Error attention_impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuf
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_len,
                           ffi::ResultBuffer<ffi::F32> out, int64_t window, int64_t threads,
                           int32_t isa) noexcept {
-  return guarded("ftjax_attention",
+  return ftjax::guarded("ftjax_attention",
                  [&] { return attention_body(q, k, v, positions, kv_len, out, window, threads, isa); });
 }
 
@@ -196,7 +180,7 @@ ffi::Error expert_ffn_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                            int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
                            int32_t down_dtype, float swiglu_limit, int64_t threads,
                            int32_t isa) noexcept {
-  return guarded("ftjax_expert_ffn", [&] {
+  return ftjax::guarded("ftjax_expert_ffn", [&] {
     return expert_ffn_body(x, layer, ids, weights, y, pool_id, num_layers, num_experts, d_model,
                            d_ff, dtype, down_dtype, swiglu_limit, threads, isa);
   });
@@ -263,7 +247,7 @@ ffi::Error expert_start_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> laye
                              ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::S32> token, int32_t pool_id,
                              int64_t num_layers, int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
                              int32_t down_dtype, float swiglu_limit, int64_t threads, int32_t isa) noexcept {
-  return guarded("ftjax_expert_start", [&] {
+  return ftjax::guarded("ftjax_expert_start", [&] {
     return expert_start_body(x, layer, ids, weights, token, pool_id, num_layers, num_experts, d_model, d_ff, dtype,
                              down_dtype, swiglu_limit, threads, isa);
   });
@@ -271,12 +255,12 @@ ffi::Error expert_start_impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> laye
 
 ffi::Error expert_finish_impl(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer after,
                               ffi::ResultBuffer<ffi::F32> y) noexcept {
-  return guarded("ftjax_expert_finish", [&] { return expert_finish_body(token, after, y); });
+  return ftjax::guarded("ftjax_expert_finish", [&] { return expert_finish_body(token, after, y); });
 }
 
 ffi::Error linear_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                        int32_t wtype, int64_t threads, int32_t isa) noexcept {
-  return guarded("ftjax_linear", [&] { return linear_body(x, w, y, wtype, threads, isa); });
+  return ftjax::guarded("ftjax_linear", [&] { return linear_body(x, w, y, wtype, threads, isa); });
 }
 
 // Writes new [B, G, T, hd] into cache [B, G, S, hd] at row start[b] of each (b, g), in
@@ -310,7 +294,7 @@ ffi::Error write_rows_body(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffe
 
 ffi::Error write_rows_impl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
                            ffi::Result<ffi::AnyBuffer> out) noexcept {
-  return guarded("ftjax_write_rows", [&] { return write_rows_body(cache, rows, start, out); });
+  return ftjax::guarded("ftjax_write_rows", [&] { return write_rows_body(cache, rows, start, out); });
 }
 
 }  // namespace
@@ -337,40 +321,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, attention_impl,
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, expert_ffn_impl,
-                              ffi::Ffi::Bind()
+                              ftjax::expert_pool_attrs(ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
-                                  .Attr<int32_t>("pool_id")
-                                  .Attr<int64_t>("num_layers")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("d_model")
-                                  .Attr<int64_t>("d_ff")
-                                  .Attr<int32_t>("dtype")       // of gate_up
-                                  .Attr<int32_t>("down_dtype")  // of down
-                                  .Attr<float>("swiglu_limit")  // inf: plain SwiGLU
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int32_t>("isa"));
+                                  ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertStart, expert_start_impl,
-                              ffi::Ffi::Bind()
+                              ftjax::expert_pool_attrs(ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // token [] (0: nothing queued)
-                                  .Attr<int32_t>("pool_id")
-                                  .Attr<int64_t>("num_layers")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("d_model")
-                                  .Attr<int64_t>("d_ff")
-                                  .Attr<int32_t>("dtype")
-                                  .Attr<int32_t>("down_dtype")
-                                  .Attr<float>("swiglu_limit")
-                                  .Attr<int64_t>("threads")
-                                  .Attr<int32_t>("isa"));
+                                  ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFinish, expert_finish_impl,
                               ffi::Ffi::Bind()

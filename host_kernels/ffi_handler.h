@@ -25,6 +25,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);
 // Both are side-effecting custom calls: the program keeps them, in data-dependency order.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFinish);
+#ifdef FTJAX_WITH_CUDA
+// The same pair on the CUDA platform (async_experts_cuda.cc): stream-ordered, pinned staging.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFinishCuda);
+#endif
 
 // FtjaxLinear: y [T, N] f32 = x [T, K] f32 . w^T, w [N, K] an operand (uint16 bf16
 // bits or f32, or a block format's uint8 rows [N, row bytes]; on the CPU backend a

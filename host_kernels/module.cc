@@ -305,6 +305,15 @@ NB_MODULE(_host_kernels, m) {
         "XLA FFI handler: queue a routed-expert call on the host runner -> token");
   m.def("ffi_expert_finish", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFinish)); },
         "XLA FFI handler: wait for a token's routed-expert call -> y");
+#ifdef FTJAX_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+  m.def("ffi_expert_start_cuda", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertStartCuda)); },
+        "XLA FFI handler (CUDA platform): stage the inputs, queue the routed-expert call -> token");
+  m.def("ffi_expert_finish_cuda", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFinishCuda)); },
+        "XLA FFI handler (CUDA platform): wait for the call on the stream, copy y to the device");
+#else
+  m.attr("built_with_cuda") = false;
+#endif
   m.def("pending_expert_calls", &ftjax::pending_expert_calls,
         "Host expert calls started and not yet collected by their finish.");
   m.def("drop_finished_calls", &ftjax::drop_finished_calls, nb::arg("older_than_s"),

@@ -29,3 +29,11 @@ def test_policies_give_the_device_tokens(policy):
     reference = ftjax.load(policy="device").generate(PROMPT, 16)
     kw = {} if policy == "host" else dict(cache_slots=24)
     assert ftjax.load(policy=policy, **kw).generate(PROMPT, 16) == reference
+
+
+def test_the_start_finish_pair_gives_the_blocking_calls_tokens():
+    """The host experts as a start / finish pair (CUDA handlers on a GPU, stream-ordered)
+    against the single blocking call: the same tokens."""
+    kw = dict(policy="lru", cache_slots=24, bandwidth=(1.0, 4.0), calibrate=False)
+    assert ftjax.load(**kw, overlap_host=True).generate(PROMPT, 16) == \
+        ftjax.load(**kw, overlap_host=False).generate(PROMPT, 16)

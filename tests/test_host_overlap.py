@@ -89,3 +89,15 @@ def test_a_model_with_and_without_overlap_gives_the_same_tokens():
     counters = ("selections", "hits", "misses", "fetched", "host_computed")
     sa, sb = a.stats(), b.stats()
     assert sa["host_computed"] > 0 and [sa[k] for k in counters] == [sb[k] for k in counters]
+
+
+@pytest.mark.skipif(not host.CUDA_PAIR, reason="built without the CUDA toolkit: no CUDA handlers to register")
+def test_the_cuda_handlers_are_built_and_register():
+    """Where the package build found the CUDA toolkit, the pair's CUDA handlers are in the
+    module and register with XLA for the CUDA platform (running them needs a GPU:
+    tests/test_gpu.py)."""
+    from ftjax import _host_kernels as hk
+
+    assert hk.built_with_cuda and hk.ffi_expert_start_cuda() is not None and hk.ffi_expert_finish_cuda() is not None
+    host._register_ffi_targets()  # CPU and CUDA targets under the same names
+    assert host.pair_available("gpu") and host.pair_available("cpu")

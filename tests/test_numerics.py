@@ -28,6 +28,7 @@ def test_auto_means_fast_for_bf16_weights_and_exact_for_f32(models, tmp_path):
     s.append([1, 2, 3])
     assert {a.dtype for a in jax.tree.leaves(s._state)} == {jnp.dtype(jnp.bfloat16)}
     assert fast.fingerprint != exact.fingerprint  # a snapshot of one does not restore into the other
+    assert (fast.stats()["numerics"], fast.stats()["kv_dtype"]) == ("fast", "bfloat16")
     assert ftjax.load(expert_dtype="float32", dense_dtype="float32").numerics == "exact"
     assert ftjax.load(numerics="exact", kv_dtype="bfloat16").kv_dtype == jnp.bfloat16  # an explicit kv_dtype wins
     with pytest.raises(ValueError, match="numerics must be one of auto, exact, fast"):
