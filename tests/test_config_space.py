@@ -7,9 +7,9 @@ weights, offline) and checked: logits, greedy tokens, piecewise == whole prefill
 batched == single, another expert policy (lru, host, static ...) == the device policy.
 
 - `test_ci_sample`: a fixed sample, 2 seeds per family (20 configs). The first seed runs
-  every check; the second the checks against transformers and the piecewise prefill
-  (batched and policy cost a compile each and are covered by the first seed), which keeps
-  the sample near three minutes on one busy core.
+  every check, in the default suite (10 configs, about two minutes on one busy core);
+  the second the checks against transformers and the piecewise prefill, under
+  `-m slow` (batched and policy cost a compile each and are covered by the first seed).
 - `test_large_sample` (`slow`, run with `-m slow`): FTJAX_PARITY_PER_FAMILY (20) seeds per
   family from FTJAX_PARITY_SEED (default 1000), every check, 200 configs. The seed base is
   printed at the start and each test id names its seed.
@@ -48,7 +48,8 @@ def _name_the_seeds(request):
     yield
 
 
-@pytest.mark.parametrize("family,seed", [(f, s) for f in FAMILIES for s in CI_SEEDS],
+@pytest.mark.parametrize("family,seed", [pytest.param(f, s, marks=[pytest.mark.slow] if s else [])
+                                         for f in FAMILIES for s in CI_SEEDS],
                          ids=[f"{f}-seed{s}" for f in FAMILIES for s in CI_SEEDS])
 def test_ci_sample(family, seed):
     config_space.run_case(family, seed, CI_CHECKS[seed])
