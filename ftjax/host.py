@@ -182,9 +182,10 @@ CUDA_PAIR = bool(_hk.built_with_cuda)  # this build has the CUDA handlers of the
 
 def pair_available(platform: str | None = None) -> bool:
     """Whether the start / finish pair has handlers for this backend: the CPU FFI ones
-    always, the CUDA ones where the package was built with the CUDA toolkit."""
+    where the boundary is the FFI, the CUDA ones where the package was built with the
+    CUDA toolkit."""
     platform = platform or jax.default_backend()
-    return platform == "cpu" or (platform == "gpu" and CUDA_PAIR)
+    return default_boundary(platform) is Boundary.FFI_CPU or (platform == "gpu" and CUDA_PAIR)
 
 
 def pending_host_calls() -> int:

@@ -464,8 +464,8 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
             calibrate = explicit_bandwidth is None
         if pol.split == "adaptive" and calibrate:
             calibration = Calibration(bandwidth, pool.expert_bytes, pol, cfg.num_experts)
-    if overlap_host is None:
-        overlap_host = jax.default_backend() == "cpu"
+    if overlap_host is None:  # the pair where its handlers have run: the CPU backend's FFI boundary
+        overlap_host = host is not None and host.overlaps and jax.default_backend() == "cpu"
     if overlap_host and host is not None and not host.overlaps:
         raise ValueError(f"overlap_host=True: this build has no start / finish handlers for the "
                          f"{jax.default_backend()} backend (the CUDA ones are built only with the CUDA toolkit)")

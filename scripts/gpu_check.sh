@@ -30,10 +30,13 @@ else
     pip install --no-index --find-links "$WHEELS" flax safetensors tokenizers jinja2 orbax-checkpoint \
       fastapi uvicorn pydantic gguf pytest ml_dtypes >"$OUT/pip-deps.log" 2>&1 || true
   fi
-  # against the installed jaxlib's FFI headers; the CPU handlers build as on any machine
+  # against the installed jaxlib's FFI headers; the CPU handlers build as on any machine,
+  # the start / finish pair's CUDA handlers wherever CMake finds the CUDA toolkit
   pip install --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 \
     || { echo "build failed: $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
 fi
+python -c "import ftjax.host as h; print('CUDA handlers of the start / finish pair built:', h.CUDA_PAIR)" \
+  | tee "$OUT/cuda-handlers.txt"
 
 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
   | tee "$OUT/gpu-tests.txt" || true
