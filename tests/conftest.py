@@ -48,8 +48,8 @@ def pytest_configure(config):
     """One XLA compilation cache for the run (every xdist worker and the controller
     share its directory): a program compiled once — the same model built again by
     another test, the same step shapes — is loaded, not compiled again. The key is the
-    whole program, so a hit is the same program; programs holding per-instance host
-    pointers (host expert kernels) simply never hit. FTJAX_TEST_XLA_CACHE=0 turns it off."""
+    whole program, so a hit is the same program (host-kernel programs too: they name the
+    expert pool by its registry id, not an address). FTJAX_TEST_XLA_CACHE=0 turns it off."""
     if os.environ.get("FTJAX_TEST_XLA_CACHE", "1") == "0":
         os.environ["FTJAX_COMPILE_CACHE"] = "0"  # nor in the CLI processes tests start
         return
