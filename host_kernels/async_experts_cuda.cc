@@ -119,18 +119,17 @@ ffi::Error start_cuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (xd.size() != 2 || xd[1] != d_model || idd.size() != 2 || idd[0] != xd[0] ||
       weights.element_count() != ids.element_count() || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("ftjax_expert_start: x [T, d_model], layer [], ids / weights [T, K]");
-  const auto addresses = ftjax::expert_pool(pool_id);
-  if (!addresses) return ffi::Error::InvalidArgument("ftjax_expert_start: no expert pool registered as " +
-                                                     std::to_string(pool_id));
-  auto* c = new StagedCall();
-  c->proto.pool = ftjax::PoolView{addresses->gate_up, addresses->down, num_layers, num_experts, d_model, d_ff,
-                                  static_cast<ftjax::WeightType>(dtype), static_cast<ftjax::WeightType>(down_dtype),
-                                  swiglu_limit};
+  auto owned = std::make_unique<StagedCall>();
+  if (std::string err = ftjax::view_expert_pool("ftjax_expert_start", pool_id, num_layers, num_experts, d_model, d_ff,
+                                                dtype, down_dtype, swiglu_limit, &owned->proto.pool,
+                                                &owned->proto.work);
+      !err.empty())
+    return ffi::Error::InvalidArgument(err);
+  StagedCall* c = owned.release();  // the stream's FIFO owns it from here (freed after its finish)
   c->proto.num_tokens = xd[0];
   c->proto.top_k = idd[1];
   c->proto.threads = ftjax::shared_thread_pool(static_cast<int>(threads));
   c->proto.isa = static_cast<ftjax::Isa>(isa);
-  c->proto.work = addresses->work;
   c->n_x = x.element_count();
   c->n_ids = ids.element_count();
   c->x = pinned<float>(c->n_x);

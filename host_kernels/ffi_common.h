@@ -6,6 +6,8 @@
 #include <new>
 #include <string>
 
+#include "expert_ffn.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ftjax {
@@ -44,6 +46,22 @@ auto expert_pool_attrs(Binding&& binding) {
       .template Attr<float>("swiglu_limit")
       .template Attr<int64_t>("threads")
       .template Attr<int32_t>("isa");
+}
+
+// The expert pool the routed-expert attributes name -> "" with *view (and *work, its
+// {calls, ns, experts} counters or null) filled in, or the message a handler returns
+// (an unknown dtype code, a pool id no longer registered).
+inline std::string view_expert_pool(const std::string& target, int32_t pool_id, int64_t num_layers,
+                                    int64_t num_experts, int64_t d_model, int64_t d_ff, int32_t dtype,
+                                    int32_t down_dtype, float swiglu_limit, PoolView* view, int64_t** work) {
+  if (!is_weight_type(dtype) || !is_weight_type(down_dtype)) return target + ": unknown dtype code";
+  const auto addresses = expert_pool(pool_id);
+  if (!addresses)
+    return target + ": no expert pool is registered as " + std::to_string(pool_id) + " (its model was freed)";
+  *view = PoolView{addresses->gate_up, addresses->down, num_layers, num_experts, d_model, d_ff,
+                   static_cast<WeightType>(dtype), static_cast<WeightType>(down_dtype), swiglu_limit};
+  *work = addresses->work;
+  return "";
 }
 
 }  // namespace ftjax

@@ -70,22 +70,12 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: y must be [T, d_model]");
   if (layer.element_count() != 1)
     return ffi::Error::InvalidArgument("ftjax_expert_ffn: layer must be a scalar");
-  if (!ftjax::is_weight_type(dtype) || !ftjax::is_weight_type(down_dtype))
-    return ffi::Error::InvalidArgument("ftjax_expert_ffn: unknown dtype code");
-
-  const auto addresses = ftjax::expert_pool(pool_id);
-  if (!addresses)
-    return ffi::Error::InvalidArgument("ftjax_expert_ffn: no expert pool is registered as " +
-                                       std::to_string(pool_id) + " (its model was freed)");
-  ftjax::PoolView pool{addresses->gate_up,
-                       addresses->down,
-                       num_layers,
-                       num_experts,
-                       d_model,
-                       d_ff,
-                       static_cast<WeightType>(dtype),
-                       static_cast<WeightType>(down_dtype),
-                       swiglu_limit};
+  ftjax::PoolView pool;
+  int64_t* work = nullptr;
+  if (std::string err = ftjax::view_expert_pool("ftjax_expert_ffn", pool_id, num_layers, num_experts, d_model, d_ff,
+                                                dtype, down_dtype, swiglu_limit, &pool, &work);
+      !err.empty())
+    return ffi::Error::InvalidArgument(err);
   ftjax::TokenBatch batch{x.typed_data(), ids.typed_data(), weights.typed_data(),
                           y->typed_data(), xd[0], idd[1]};
   if (ftjax::take_injected_expert_fault())
@@ -95,7 +85,7 @@ ffi::Error expert_ffn_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
                                       ftjax::shared_thread_pool(static_cast<int>(threads)),
                                       static_cast<Isa>(isa), &experts_read);
   if (!err.empty()) return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + err);
-  record_host_work(addresses->work, experts_read, start);
+  record_host_work(work, experts_read, start);
   return ffi::Error::Success();
 }
 
@@ -199,21 +189,17 @@ ffi::Error expert_start_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> laye
     return ffi::Error::InvalidArgument("ftjax_expert_start: ids, weights must be [T, K]");
   if (layer.element_count() != 1 || token->element_count() != 1)
     return ffi::Error::InvalidArgument("ftjax_expert_start: layer and the token must be scalars");
-  if (!ftjax::is_weight_type(dtype) || !ftjax::is_weight_type(down_dtype))
-    return ffi::Error::InvalidArgument("ftjax_expert_start: unknown dtype code");
   const int32_t* id = ids.typed_data();
   const int64_t n_ids = ids.element_count();
   if (std::none_of(id, id + n_ids, [](int32_t i) { return i >= 0; })) {
     token->typed_data()[0] = 0;  // nothing runs on the host for this record
     return ffi::Error::Success();
   }
-  const auto addresses = ftjax::expert_pool(pool_id);
-  if (!addresses)
-    return ffi::Error::InvalidArgument("ftjax_expert_start: no expert pool is registered as " +
-                                       std::to_string(pool_id) + " (its model was freed)");
   auto call = std::make_unique<ftjax::AsyncExpertCall>();
-  call->pool = ftjax::PoolView{addresses->gate_up, addresses->down, num_layers, num_experts, d_model, d_ff,
-                               static_cast<WeightType>(dtype), static_cast<WeightType>(down_dtype), swiglu_limit};
+  if (std::string err = ftjax::view_expert_pool("ftjax_expert_start", pool_id, num_layers, num_experts, d_model, d_ff,
+                                                dtype, down_dtype, swiglu_limit, &call->pool, &call->work);
+      !err.empty())
+    return ffi::Error::InvalidArgument(err);
   call->layer = layer.typed_data()[0];
   call->num_tokens = xd[0];
   call->top_k = idd[1];
@@ -222,7 +208,6 @@ ffi::Error expert_start_body(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> laye
   call->weights.assign(weights.typed_data(), weights.typed_data() + weights.element_count());
   call->threads = ftjax::shared_thread_pool(static_cast<int>(threads));
   call->isa = static_cast<Isa>(isa);
-  call->work = addresses->work;
   call->fail = ftjax::take_injected_expert_fault();
   token->typed_data()[0] = ftjax::start_expert_call(std::move(call));
   return ffi::Error::Success();

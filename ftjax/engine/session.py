@@ -401,11 +401,9 @@ def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: 
     m = sessions[0].model
     scheduler = m.api_scheduler()
     out: collections.deque[int] = collections.deque()
-    jobs = []
-    for b, s in enumerate(sessions):
-        jobs.append(Job(np.asarray(s._ids, np.int32), requested, sampling, *_callbacks(s, t0, stop, stream and b == 0,
-                                                                                       out),
-                        id=f"api-{id(s):x}", session=s, step_logits=(step_logits or [None] * len(sessions))[b]))
+    step_logits = step_logits or [None] * len(sessions)
+    jobs = [Job(np.asarray(s._ids, np.int32), requested, sampling, *_callbacks(s, t0, stop, stream and b == 0, out),
+                id=f"api-{id(s):x}", session=s, step_logits=step_logits[b]) for b, s in enumerate(sessions)]
     for job in jobs:
         scheduler.submit(job)
     try:
@@ -437,7 +435,6 @@ def _callbacks(session: Session, t0: float, stop, stream: bool, out: collections
     streaming), its GenerationStats follow, stop strings are matched incrementally."""
     g = session.last_generation
     matcher = StopMatcher(session.model.tokenizer, stop) if stop else None
-    marks: list[float] = []  # when each of the first two tokens came
 
     def on_token(tok: int) -> bool:
         now = time.perf_counter()
@@ -445,11 +442,10 @@ def _callbacks(session: Session, t0: float, stop, stream: bool, out: collections
         g.new_tokens += 1
         if g.new_tokens == 1:
             g.ttft_s = now - t0
-        elif g.new_tokens == 2:
-            g.first_step_s = now - marks[0]
-        if len(marks) < 1:
-            marks.append(now)
-        g.decode_s = now - marks[0]
+        first = t0 + g.ttft_s  # when the first token came
+        if g.new_tokens == 2:
+            g.first_step_s = now - first
+        g.decode_s = now - first
         if stream:
             out.append(tok)
         return matcher is not None and matcher.push(tok) is not None
