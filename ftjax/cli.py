@@ -69,7 +69,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "reads); auto: fast for bf16 / fp16 / quantised weights, exact for f32 ones")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="one device-memory budget (GiB) for weights, states, prefill scratch and the expert cache, "
-                        "whose active slots yield to states as they grow; the cache buffer keeps its size "
+                        "whose buffer is re-allocated smaller (its bytes given back) as states grow "
                         "(default None: no budget)")
 
 

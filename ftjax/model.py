@@ -44,7 +44,7 @@ from ftjax.engine.steps import Steps
 from ftjax.engine.streamed import StreamedPrefill, stream_threshold
 from ftjax.engine.telemetry import DEFAULT_KEEP_RECORDS, Telemetry
 from ftjax.experts.calibration import Calibration
-from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor, set_active_slots
+from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor, resize_cache
 from ftjax.experts.policy import get_policy, transfer_ratio
 from ftjax.host import default_threads, memory_kind_of, pool_view, sharding
 from ftjax.models import FAMILIES
@@ -240,9 +240,15 @@ class Model:
         (`Timing.add` keywords), into the model's cumulative timing."""
         self._telemetry.timing.add(**spent)
 
-    def set_active_slots(self, n: int) -> None:
-        """The expert cache's active slots (elastic memory: `engine.memory`); data, no recompile."""
-        self._xstate = set_active_slots(self._xstate, jnp.int32(n))
+    def resize_expert_cache(self, capacity: int) -> None:
+        """Re-allocate the expert cache at `capacity` slots (elastic memory:
+        `engine.memory`); the most recently used residents are carried over and the old
+        buffer is freed at once. The steps compile once per capacity."""
+        old = self._xstate["cache"]
+        self._xstate = jax.device_put(resize_cache(self._xstate, capacity), sharding("device"))
+        jax.block_until_ready(self._xstate["cache"])
+        for part in jax.tree.leaves(old):
+            part.delete()  # nothing else holds the old buffer: its bytes go back now
 
     @contextlib.contextmanager
     def recovering(self):
@@ -266,7 +272,7 @@ class Model:
             usable = False
         if usable:
             return False
-        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)  # q from the profile again
+        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._capacity())  # q from the profile again
         if self.memory is not None:
             self.memory.sync()
             self.memory.rebalance()
@@ -319,6 +325,10 @@ class Model:
         if table is not None:
             self._xstate = {**self._xstate, "q_of_misses": jax.device_put(table, sharding("device"))}
 
+    def _capacity(self) -> int | None:
+        """The expert cache's allocated slots as elastic memory last sized it (None: all)."""
+        return self.memory.capacity if self.memory is not None else None
+
     def placement(self) -> dict[str, str | None]:
         """Where each part of the model lives, read off the arrays themselves (memory
         kinds): the expert pool ("pinned_host"; "device" under the `device` reference
@@ -338,18 +348,19 @@ class Model:
         """Back to the policy's initial placement: every slot emptied (pinned policies
         re-pinned), every stamp forgotten."""
         q = self._xstate.get("q_of_misses")
-        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool)
+        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._capacity())
         if q is not None and not q.is_deleted():  # the calibrated split stays
             self._xstate["q_of_misses"] = q
         if self.memory is not None:
             self.memory.sync()
-            self.memory.rebalance()  # keep the slots the budget has taken back disabled
+            self.memory.rebalance()  # back to the size the budget leaves
 
 
-def _initial_xstate(executor, pool) -> dict:
+def _initial_xstate(executor, pool, capacity: int | None = None) -> dict:
     """Committed to device memory, as the steps return it: the first step after load then
-    compiles the same program as every later one."""
-    state = executor.init_state(pool.parts)
+    compiles the same program as every later one. capacity: the cache buffer's slots
+    (None: all; elastic memory keeps a rebuilt cache at the size it had)."""
+    state = executor.init_state(pool.parts, capacity)
     state.pop("codes")
     return jax.device_put(state, sharding("device"))
 
@@ -395,9 +406,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     (default): fast for checkpoints whose weights are bf16 / fp16 / quantised, exact for
     f32 ones (`numerics_for`); activations between layers are f32 in both; kv_dtype:
     "float32" or "bfloat16" overrides the K/V storage numerics chose; device_memory_bytes: one
-    budget for weights, states, prefill scratch and the expert cache, whose active slots
-    shrink as states grow and grow back as they shrink; the cache buffer keeps its size,
-    so no device memory is given back (`ftjax.engine.memory`; "auto": the
+    budget for weights, states, prefill scratch and the expert cache, whose buffer is
+    re-allocated smaller as states grow (its bytes given back) and larger as they
+    shrink (`ftjax.engine.memory`; "auto": the
     accelerator's memory; None: no budget); calibrate: under the bandwidth-adaptive split
     (`lru`), re-estimate B_H from the host work the model does and move q with it
     (`Model.calibrate`, `ftjax.experts.calibration`); False keeps q as the bandwidths give

@@ -74,7 +74,8 @@ def memory_budget(model_dir, slots: int, threads: int | None, tokens: int,
     slot, whichever is more): how many slots stay active as the
     state grows, what the expert-cache buffer holds meanwhile, whether a growth is refused,
     and what comes back when the session closes. `releases_bytes` is the build's own
-    statement (`engine.memory.RELEASES_DEVICE_BYTES`), checked against the buffer sizes."""
+    statement (`engine.memory.RELEASES_DEVICE_BYTES`), checked against the buffer sizes
+    (`cache_buffer_bytes`: what the re-allocated buffer holds at each step)."""
     try:
         import ftjax
         from ftjax.engine import memory as memory_module

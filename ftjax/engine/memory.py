@@ -1,9 +1,7 @@
 """Device memory budget: one byte budget for everything a model keeps on the device.
 
-What it does on this build: it decides how many expert-cache slots are *active*, so that
-weights + states + scratch + active slots fit the budget. It does not give device memory
-back: the cache buffer keeps its compiled size and a disabled slot's bytes stay allocated
-(see "What is physical and what is accounting" below).
+It sizes the expert cache so that weights + states + scratch + the cache fit the budget,
+and it gives the cache's bytes back to the allocator when states need them:
 
     budget >= weights          non-expert parameters (+ the whole expert pool under `device`)
             + states           every live session's state (KV cache, recurrent state), the
@@ -13,22 +11,28 @@ back: the cache buffer keeps its compiled size and a disabled slot's bytes stay 
                                attention blocks, widened weights), + the double buffer of
                                a streamed layer when prompts stream; reserved up front, so
                                a prefill is never admitted to fail halfway
-            + expert cache     active slots x bytes per slot: the part that gives way
+            + expert cache     its allocated capacity x bytes per slot: the part that gives way
 
 States grow with the conversation; the expert cache gives way. Before a state grows,
 `make_room(extra)` shrinks the cache to what is left (its least recently used residents
 go first; the host pool is the source of truth, so tokens are unchanged, only where
-experts run changes); when states shrink, `rebalance()` grows it back. Resizing does not
-recompile: the cache keeps its compiled slot capacity and the number of *active* slots
-is data (`experts.executor.set_active_slots`: disabled slots are never filled). A growth
-that cannot fit even with no expert slot at all raises `DeviceMemoryError` before any
+experts run changes); when states shrink, `rebalance()` grows it back. A growth that
+cannot fit even with no expert slot at all raises `DeviceMemoryError` before any
 allocation, with the split in the message; nothing already held is touched.
 
-What is physical and what is accounting: on the CPU backend the "device" is host RAM and
-the budget is configured (`--device-memory-gb`, `load(device_memory_bytes=...)`). The
-cache buffer keeps its compiled size, so the bytes of disabled slots are yielded in the
-budget, not returned to the allocator; on an accelerator, returning them means
-re-allocating the cache at a smaller capacity (one compile per capacity) — not done here.
+The cache's size is its allocated capacity, in buckets of 1/8 of the configured slots
+(k/8, k = 0..8), rounded down to what the budget leaves it, so a resize rarely
+recompiles (the steps compile once per capacity) and never exceeds the budget; at most
+one bucket of the room goes unused. A resize re-allocates the buffer
+(`experts.executor.resize_cache`): the most recently used residents are carried over and
+the old buffer is deleted, so its bytes go back to the allocator. At capacity 0 every
+selected expert runs on the host. Growing back allocates the larger buffer before the
+smaller one is freed (the carried-over residents are copied across), so a grow needs
+the room of both for a moment; it only happens after states shrank.
+
+On the CPU backend the "device" is host RAM and the budget is configured
+(`--device-memory-gb`, `load(device_memory_bytes=...)`); the freed bytes are real RAM
+(`jax.live_arrays()` falls by them).
 
 Holders (sessions, the scheduler, the state cache) register themselves and report
 `device_state_bytes()`; the manager sums them when asked, so a dropped session stops
@@ -45,16 +49,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.engine.shapes import bucket
-from ftjax.experts.executor import active_slots
+from ftjax.experts.executor import cache_capacity
 
 if TYPE_CHECKING:
     from ftjax.model import Model
 
 
-# This build disables slots inside the compiled cache buffer; it never re-allocates the buffer
-# smaller, so no device memory goes back to the allocator. `ftjax bench paper` reads this
-# (and checks it against the buffer's size) before it speaks to the paper's elastic-VRAM claim.
-RELEASES_DEVICE_BYTES = False
+# This build re-allocates the cache buffer smaller when states need room, so its bytes go back
+# to the allocator. `ftjax bench paper` reads this (and checks it against the buffer's size)
+# before it speaks to the paper's elastic-VRAM claim.
+RELEASES_DEVICE_BYTES = True
+CAPACITY_BUCKETS = 8  # the buffer is allocated at k/8 of the configured slots, k = 0..8
+
+
+def capacity_for(room_slots: int, max_slots: int) -> int:
+    """The largest bucket capacity within `room_slots`: all slots, or a multiple of
+    ceil(max_slots / 8)."""
+    if room_slots >= max_slots:
+        return max_slots
+    step = -(-max_slots // CAPACITY_BUCKETS)  # ceil
+    return max(0, room_slots // step * step)
 
 
 class DeviceMemoryError(ValueError):
@@ -115,7 +129,7 @@ class DeviceMemory:
         one, two = (tree_bytes(jax.eval_shape(lambda n=n: model.new_state(1, n))) for n in (R, 2 * R))
         self._per_token, self._per_row = (two - one) / R, 2 * one - two
         self._holders: weakref.WeakSet = weakref.WeakSet()
-        self._active = active_slots(model._xstate)  # kept here: reading it back would sync the device
+        self.capacity = cache_capacity(model._xstate)  # slots allocated in the buffer
         self.counters = {"shrinks": 0, "grows": 0, "refused": 0}
         fixed = self.weights + self.scratch
         if fixed > self.budget:
@@ -142,11 +156,12 @@ class DeviceMemory:
         return sum(h.device_state_bytes() for h in list(self._holders))
 
     def active_slots(self) -> int:
-        return self._active
+        """Slots the expert cache holds (its allocated capacity)."""
+        return self.capacity
 
     def sync(self) -> None:
-        """Re-read the active slots after the executor state was replaced (cache cleared)."""
-        self._active = active_slots(self.model._xstate)
+        """Re-read the capacity after the executor state was replaced (cache cleared)."""
+        self.capacity = cache_capacity(self.model._xstate)
 
     def split(self) -> dict:
         slots = self.active_slots()
@@ -159,7 +174,7 @@ class DeviceMemory:
 
     def _slots_for(self, states: int) -> int:
         room = self.room_alone() - states
-        return int(np.clip(room // self.slot_bytes, 0, self.max_slots)) if self.slot_bytes else 0
+        return capacity_for(int(max(room, 0) // self.slot_bytes), self.max_slots) if self.slot_bytes else 0
 
     # ---- changes ---------------------------------------------------------------------------
     def make_room(self, extra: int, what: str = "a state") -> None:
@@ -186,8 +201,8 @@ class DeviceMemory:
         current = self.active_slots()
         if n == current or (n > current and not allow_grow):
             return
-        self.model.set_active_slots(n)
-        self._active = n
+        self.model.resize_expert_cache(n)
+        self.capacity = n
         self.counters["shrinks" if n < current else "grows"] += 1
 
 

@@ -17,8 +17,8 @@ prefill: all prompt tokens of the layer). State (a pytree of device arrays, dona
 through the step):
     cache      {"gate_up": [slots, 2F, D], "down": [slots, D, F]}   storage dtype
     slot_of    [Lm*E] int32   global expert id (layer*E + e) -> slot, -1 = not resident
-    id_of_slot [slots] int32  slot -> global expert id, -1 = free, -2 = disabled (the
-                              elastic memory manager took it back: never filled)
+    id_of_slot [slots] int32  slot -> global expert id, -1 = free
+    (slots: the buffer's capacity; elastic memory re-allocates it, `resize_cache`)
     stamp      [Lm*E] int32   last record that selected the expert (0 = never)
     t          [] int32       record counter
     q_of_misses [E+1] int32   q for each miss count (data: online calibration replaces it
@@ -174,7 +174,7 @@ def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Arr
 
 
 _BIG = int(np.iinfo(np.int32).max)  # sorts after every stamp, id and slot
-FREE, DISABLED = -1, -2  # id_of_slot of a slot holding no expert: free to fill / taken back
+FREE = -1  # id_of_slot of a slot holding no expert
 
 
 def outcome_codes(hit, fetched, host) -> jax.Array:
@@ -209,7 +209,7 @@ def lru_few(a, sel, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot,
     slot, last = slot_of[g], stamp[g]
     hit, miss = first & (slot >= 0), first & (slot < 0)
     n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
-    q = jnp.minimum(q_of_misses[n_miss], jnp.sum(id_of_slot != DISABLED) - n_hit)  # active slots, not all
+    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
     # rule 3: the q misses used most recently (never = stamp 0 = oldest), ties -> lower id;
     # before[j, j'] = j' comes before j in that order
     before = (last[None, :] > last[:, None]) | ((last[None, :] == last[:, None]) & (a[None, :] < a[:, None]))
@@ -225,7 +225,7 @@ def lru_few(a, sel, base, E, slots, q_of_misses, max_fetch, slot_of, id_of_slot,
     free = occupant == FREE
     needed = jnp.any(hit[None, :] & (g[None, :] == occupant[:, None]), axis=1)  # [slots] residents in U
     victim = victim_slots(
-        k1=jnp.where(free, -1, jnp.where(needed | (occupant == DISABLED), _BIG, stamp[jnp.maximum(occupant, 0)])),
+        k1=jnp.where(free, -1, jnp.where(needed, _BIG, stamp[jnp.maximum(occupant, 0)])),
         k2=jnp.where(free, jnp.arange(slots, dtype=jnp.int32), occupant),
         slot_of=slot_of, count=P)  # [P]
     evicted = occupant[victim]  # [P] (-1: was free)
@@ -267,7 +267,7 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     resident = slot_of[gidx] >= 0
     hit, miss = sel & resident, sel & ~resident
     n_hit, n_miss = jnp.sum(hit), jnp.sum(miss)
-    q = jnp.minimum(q_of_misses[n_miss], jnp.sum(id_of_slot != DISABLED) - n_hit)  # active slots, not all
+    q = jnp.minimum(q_of_misses[n_miss], slots - n_hit)
 
     # fetched = the q misses used most recently (never = stamp 0 = oldest), ties -> lower id
     recency = jnp.where(miss, -stamp[gidx], _BIG)
@@ -277,12 +277,12 @@ def lru_many(sel, base, E, slots, q_of_misses, slot_of, id_of_slot, stamp, t):
     host = miss & ~fetched
 
     # victim order: free slots (by index), then residents not in U by (stamp, global id);
-    # residents in U and disabled slots never
+    # residents in U never
     occupant = id_of_slot  # [slots]
-    free, disabled = occupant == FREE, occupant == DISABLED
+    free = occupant == FREE
     occ = jnp.maximum(occupant, 0)
-    needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free & ~disabled
-    klass = jnp.where(free, 0, jnp.where(disabled, 3, jnp.where(needed, 2, 1)))
+    needed = (occ >= base) & (occ < base + E) & sel[jnp.clip(occ - base, 0, E - 1)] & ~free
+    klass = jnp.where(free, 0, jnp.where(needed, 2, 1))
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
     candidates = jnp.lexsort((jnp.where(free, 0, occ), jnp.where(free, slot_ids, stamp[occ]), klass))
     fetch_pos = jnp.cumsum(fetched) - 1  # i-th fetched expert in ascending id order
@@ -317,37 +317,32 @@ def copy_in(cache, pool, layer, experts, slots, count):
     return jax.lax.fori_loop(0, count, lambda i, c: copy_expert(c, pool, layer, experts[i], slots[i]), cache)
 
 
-@jax.jit
-def set_active_slots(state: dict[str, Any], n: jax.Array) -> dict[str, Any]:
-    """The executor state with exactly n slots active (n as data: one compile for every
-    resize, no change to the steps). Shrinking disables free slots first, then the
-    least recently used residents (evicted: their experts run where a miss runs until
-    fetched again; the host pool is the source of truth, so output is unchanged);
-    growing re-enables disabled slots, lowest index first, as free slots."""
-    id_of_slot, slot_of, stamp = state["id_of_slot"], state["slot_of"], state["stamp"]
-    S = id_of_slot.shape[0]
-    n = jnp.clip(n, 0, S)
-    disabled = id_of_slot == DISABLED
-    active = S - jnp.sum(disabled)
-    slot_ids = jnp.arange(S, dtype=jnp.int32)
-    occ = jnp.maximum(id_of_slot, 0)
-    # shrink order: free (by index), residents (by stamp, id); disabled ones last
-    klass = jnp.where(id_of_slot == FREE, 0, jnp.where(disabled, 2, 1))
-    order = jnp.lexsort((jnp.where(id_of_slot >= 0, occ, slot_ids), jnp.where(id_of_slot >= 0, stamp[occ], slot_ids),
-                         klass))
-    rank = jnp.zeros(S, jnp.int32).at[order].set(slot_ids)
-    off = ~disabled & (rank < active - n)  # [S] slots to disable
-    grow_rank = jnp.cumsum(disabled) - 1  # i-th disabled slot by index
-    on = disabled & (grow_rank < n - active)  # [S] slots to re-enable
-    evicted = jnp.where(off & (id_of_slot >= 0), id_of_slot, slot_of.shape[0])
-    slot_of = slot_of.at[evicted].set(FREE, mode="drop")
-    id_of_slot = jnp.where(off, DISABLED, jnp.where(on, FREE, id_of_slot))
-    return {**state, "slot_of": slot_of, "id_of_slot": id_of_slot}
+def resize_cache(state: dict[str, Any], capacity: int) -> dict[str, Any]:
+    """The executor state with its cache buffer re-allocated at `capacity` slots (elastic
+    memory: the bytes of the slots given up go back to the allocator). The `capacity`
+    most recently used residents stay, moved to the first slots with their stamps; the
+    others are evicted (their experts run where a miss runs until fetched again; the host
+    pool is the source of truth, so output is unchanged). Which slot an expert sits in
+    never matters to the rules (victims: free slots, then residents by (stamp, id)), so
+    placement continues as if the cache had always had this size and the evicted experts
+    had gone first. The steps compile once per capacity. Host-side: it reads the slot
+    table back (a sync; a resize is rare)."""
+    id_of_slot, stamp = np.asarray(state["id_of_slot"]), np.asarray(state["stamp"])
+    resident = np.flatnonzero(id_of_slot >= 0)  # [R] old slots holding an expert
+    experts = id_of_slot[resident]
+    keep = resident[np.lexsort((experts, -stamp[experts]))][:capacity]  # most recent first, ties -> lower id
+    new_id = np.full(capacity, FREE, np.int32)
+    new_id[:keep.size] = id_of_slot[keep]
+    slot_of = np.full(state["slot_of"].shape, -1, np.int32)
+    slot_of[id_of_slot[keep]] = np.arange(keep.size, dtype=np.int32)
+    cache = {name: jnp.zeros((capacity, *part.shape[1:]), part.dtype).at[:keep.size].set(part[jnp.asarray(keep)])
+             for name, part in state["cache"].items()}
+    return {**state, "cache": cache, "slot_of": jnp.asarray(slot_of), "id_of_slot": jnp.asarray(new_id)}
 
 
-def active_slots(state: dict[str, Any]) -> int:
-    """Slots the executor may fill (all of them unless the memory manager took some back)."""
-    return int(np.sum(np.asarray(state["id_of_slot"]) != DISABLED)) if "id_of_slot" in state else 0
+def cache_capacity(state: dict[str, Any]) -> int:
+    """Slots in the cache buffer (0 for the policies without one)."""
+    return int(state["id_of_slot"].shape[0]) if "id_of_slot" in state else 0
 
 
 class Executor:
@@ -373,23 +368,25 @@ class Executor:
         self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1] (the initial table)
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
 
-    def max_fetch(self, assignments: int) -> int:
+    def max_fetch(self, assignments: int, capacity: int) -> int:
         """Static bound on the experts one record of `assignments` can fetch: the
-        largest q over its possible miss counts, at most the slots. The adaptive split's
-        table is data that calibration may move anywhere in 0..m, so its bound is m."""
+        largest q over its possible miss counts, at most the cache's `capacity` in slots.
+        The adaptive split's table is data that calibration may move anywhere in 0..m,
+        so its bound is m."""
         m = min(assignments, self.num_experts)
         bound = m if self.policy.split == "adaptive" else self.q_of_misses[: m + 1].max()
-        return int(min(self.slots, bound))
+        return int(min(capacity, bound))
 
     # ---- state -------------------------------------------------------------------------
-    def init_state(self, pool_parts: dict[str, np.ndarray]) -> dict[str, Any]:
+    def init_state(self, pool_parts: dict[str, np.ndarray], capacity: int | None = None) -> dict[str, Any]:
         """Fresh state: empty cache, or the policy's pinned experts copied in.
-        pool_parts: the host pool's parts pytree (`HostExpertPool.parts`)."""
+        pool_parts: the host pool's parts pytree (`HostExpertPool.parts`); capacity: the
+        cache buffer's slots (default: all `slots`; elastic memory allocates fewer)."""
         Lm, E = self.num_layers, self.num_experts
         state: dict[str, Any] = {"codes": jnp.zeros((Lm, E), jnp.int8)}
         if not self.policy.uses_slots:
             return state
-        S = self.slots
+        S = self.slots if capacity is None else int(np.clip(capacity, 0, self.slots))
         cache = empty_cache(pool_parts, S)
         slot_of = np.full(Lm * E, -1, np.int32)
         id_of_slot = np.full(S, -1, np.int32)
@@ -425,15 +422,20 @@ class Executor:
     def _cached(self, layer, x, ids, weights, sel, state, pool):
         """The slot-cache policies: bookkeeping (decode or prefill form), transfers, then
         device part from the cache + host part."""
-        E, S = self.num_experts, self.slots
+        E, S = self.num_experts, state["id_of_slot"].shape[0]  # the buffer's capacity (elastic memory resizes it)
         base = layer * E
         A = ids.size
         table = state["q_of_misses"]
         t = state["t"] + 1
+        if S == 0:  # elastic memory gave the whole cache back: every selection runs on the host, stamps still count
+            y = self._host_part(x, layer, ids, weights).astype(x.dtype)
+            stamp = state["stamp"].at[base:base + E].set(jnp.where(sel, t, state["stamp"][base:base + E]))
+            codes = jnp.where(sel, HOST, 0).astype(jnp.int8)
+            return y, {**state, "stamp": stamp, "t": t, "codes": state["codes"].at[layer].set(codes)}
         book = (state["slot_of"], state["id_of_slot"], state["stamp"])
         if A <= _BATCH_ASSIGNMENTS:
             (slot_of, id_of_slot, stamp), codes, copies = lru_few(ids.reshape(A), sel, base, E, S, table,
-                                                                  self.max_fetch(A), *book, t)
+                                                                  self.max_fetch(A, S), *book, t)
             expert, victim, do = copies
             n_copies = jnp.sum(do)
         else:
@@ -477,7 +479,7 @@ class Executor:
         safe = jnp.maximum(ids, 0)
         y = jnp.zeros_like(x)
         hit = jnp.zeros_like(sel)
-        if self.policy.uses_slots:
+        if self.policy.uses_slots and state["id_of_slot"].shape[0] > 0:
             slot = state["slot_of"][layer * self.num_experts + jnp.arange(self.num_experts)]
             hit = sel & (slot >= 0)
             rows = jnp.where((ids >= 0) & hit[safe], slot[safe], -1)
