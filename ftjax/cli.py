@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
-EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_USAGE, EXIT_DISTRIBUTED, EXIT_INTERRUPTED = 2, 3, 130
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -71,6 +72,18 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="one device-memory budget (GiB) for weights, states, prefill scratch and the expert cache, "
                         "whose buffer is re-allocated smaller (its bytes given back) as states grow "
                         "(default None: no budget)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="split the experts over this many devices (a mesh; attention replicated); on the CPU "
+                        "backend, as many forced devices: XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                        "(default: one device)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="run as one of several processes (jax.distributed): process 0 listens here, every "
+                        "process gives the same address; the experts are split over every process's devices")
+    p.add_argument("--num-processes", type=int, default=None, help="with --coordinator: how many processes")
+    p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process (0..N-1)")
+    p.add_argument("--join-timeout-s", type=float, default=60.0,
+                   help="with --coordinator: how long to wait for every process to join, and for a lost one "
+                        "to be named")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -123,6 +136,18 @@ def check_args(args) -> None:
         finite("--device-memory-gb", args.device_memory_gb)
         if args.device_memory_gb <= 0:
             raise UsageError(f"--device-memory-gb must be positive, got {args.device_memory_gb:g}")
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices must be >= 1, got {args.devices}")
+    if args.coordinator is not None:
+        if args.num_processes is None or args.process_id is None:
+            raise UsageError("--coordinator needs --num-processes and --process-id")
+        if args.devices is not None:
+            raise UsageError("--devices: with --coordinator the experts are split over every process's devices")
+        if args.command == "serve":
+            raise UsageError("--coordinator: ftjax serve runs in one process for now (several processes: generate "
+                             "and chat, or the Python API)")
+    elif args.num_processes is not None or args.process_id is not None:
+        raise UsageError("--num-processes / --process-id need --coordinator")
     if args.command == "serve":
         return check_serve_args(args)
     if args.max_new_tokens < 0:
@@ -141,7 +166,17 @@ def _load(args):
     import ftjax
 
     t0 = time.perf_counter()
-    model = ftjax.load(args.model, policy=args.policy, cache_slots=args.cache_slots,
+    devices = args.devices
+    if args.coordinator is not None:
+        import jax
+
+        from ftjax import distributed
+
+        distributed.connect(args.coordinator, args.num_processes, args.process_id, args.join_timeout_s)
+        devices = jax.device_count()
+        if args.process_id != 0:  # every process computes; process 0 speaks
+            sys.stdout = open(os.devnull, "w")
+    model = ftjax.load(args.model, policy=args.policy, cache_slots=args.cache_slots, devices=devices,
                        cache_bytes=args.cache_bytes, threads=args.threads, max_seq_len=args.max_seq_len,
                        numerics=args.numerics, bandwidth=tuple(args.bandwidth) if args.bandwidth else None,
                        device_memory_bytes=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
@@ -359,7 +394,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from ftjax import distributed
     from ftjax.compilation import enable_persistent_cache
+    from ftjax.distributed import DistributedError
 
     enable_persistent_cache()
     try:
@@ -372,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_args(args)
             return args.func(args)
+        except DistributedError as e:  # a peer that is gone or never came: name it, end without waiting on it
+            print(f"error: {e}", file=sys.stderr)
+            distributed.exit(EXIT_DISTRIBUTED)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE

@@ -475,7 +475,7 @@ def sharding(memory_kind: str = "device") -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-def pool_view(pool: HostExpertPool, memory_kind: str = "pinned_host") -> dict[str, jax.Array]:
+def pool_view(pool: HostExpertPool, memory_kind: str = "pinned_host", placement=None) -> dict[str, jax.Array]:
     """The pool as arrays the jitted steps can read rows from (to fill cache slots).
 
     memory_kind: "pinned_host" (the runtime's placement: the steps move the rows they
@@ -483,9 +483,12 @@ def pool_view(pool: HostExpertPool, memory_kind: str = "pinned_host") -> dict[st
     reference policy: every expert on the device). On the CPU backend both are zero-copy
     aliases of the pool's aligned RAM. On an accelerator "device" is a full device copy,
     and "pinned_host" a pinned copy of the pool (not yet run on a GPU).
-    A backend without memory kinds gets its default memory.
+    A backend without memory kinds gets its default memory. placement: a
+    `ftjax.placement.Placement` (a mesh: every device sees the whole pool; on the CPU
+    backend each device's view aliases the same RAM).
     """
-    return jax.device_put(pool.parts, sharding(memory_kind))
+    target = placement.replicated(memory_kind) if placement is not None else sharding(memory_kind)
+    return jax.device_put(pool.parts, target)
 
 
 def memory_kind_of(tree) -> str | None:

@@ -46,7 +46,9 @@ from ftjax.engine.telemetry import DEFAULT_KEEP_RECORDS, Telemetry
 from ftjax.experts.calibration import Calibration
 from ftjax.experts.executor import FETCHED, HIT, HOST, STREAMED, make_executor, resize_cache
 from ftjax.experts.policy import get_policy, transfer_ratio
-from ftjax.host import default_threads, memory_kind_of, pool_view, sharding
+from ftjax.host import default_threads, memory_kind_of, pool_view
+from ftjax import distributed
+from ftjax.placement import Placement, placement_for
 from ftjax.models import FAMILIES
 from ftjax.models.common import causal_lm, init_state
 
@@ -81,6 +83,7 @@ class Model:
     calibration: Calibration | None = field(default=None, repr=False)  # live B_P / B_H (adaptive split)
     _host: Any = field(default=None, repr=False)  # the HostExecutor of the routed experts (None: device)
     _scheduler: Any = field(default=None, repr=False)  # the Python API's decode loop (api_scheduler)
+    _placement: Placement = field(default_factory=Placement, repr=False)  # one device or a mesh (`ftjax.placement`)
 
     def __repr__(self) -> str:
         c = self.config
@@ -130,7 +133,7 @@ class Model:
     def new_state(self, batch: int, capacity: int):
         """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers),
         committed to device memory like the states the steps return (one compile each)."""
-        return jax.device_put(init_state(self.config, batch, capacity, self.kv_dtype), sharding("device"))
+        return jax.device_put(init_state(self.config, batch, capacity, self.kv_dtype), self._placement.replicated())
 
     def api_scheduler(self):
         """The decode loop of the Python API (`generate*`, `Session.generate`): an
@@ -245,7 +248,7 @@ class Model:
         `engine.memory`); the most recently used residents are carried over and the old
         buffer is freed at once. The steps compile once per capacity."""
         old = self._xstate["cache"]
-        self._xstate = jax.device_put(resize_cache(self._xstate, capacity), sharding("device"))
+        self._xstate = jax.device_put(resize_cache(self._xstate, capacity), self._placement.replicated())
         jax.block_until_ready(self._xstate["cache"])
         for part in jax.tree.leaves(old):
             part.delete()  # nothing else holds the old buffer: its bytes go back now
@@ -255,7 +258,10 @@ class Model:
         """Run steps; if they raise, `recover` before the error goes on."""
         try:
             yield
-        except Exception:
+        except Exception as e:
+            err = distributed.step_error(e)  # several processes: a peer that is gone, named
+            if err is not e:
+                raise err from e
             self.recover()
             raise
 
@@ -272,7 +278,8 @@ class Model:
             usable = False
         if usable:
             return False
-        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._capacity())  # q from the profile again
+        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._placement,
+                                       self._capacity())  # q from the profile again
         if self.memory is not None:
             self.memory.sync()
             self.memory.rebalance()
@@ -310,9 +317,27 @@ class Model:
             "prefill_s": t.prefill_s, "decode_s": t.decode_s,
             "prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
             "steps": self._telemetry.step, "log_steps_dropped": self._telemetry.dropped,
-            "placement": self.placement(),
+            "placement": self.placement(), "devices": self.device_stats(),
             **({"bandwidth": self.calibration.stats()} if self.calibration else {}),
         }
+
+    def device_stats(self) -> list[dict[str, Any]]:
+        """Per device of the placement: the experts it owns, its cache slots, and its
+        share of the selections (hits, fetched, host-computed, streamed; bytes fetched)
+        since load or reset_stats(). One device: one entry with every expert."""
+        E = self.config.num_experts
+        owner = self._placement.owner(E)
+        by_expert = self._telemetry.totals_by_expert()
+        out = []
+        for d, device in enumerate(self._placement.describe()):
+            mine = owner == d
+            counts = by_expert[:, mine].sum(axis=1) if by_expert is not None else np.zeros(5, np.int64)
+            hits, fetched, host, streamed = (int(counts[c]) for c in (HIT, FETCHED, HOST, STREAMED))
+            out.append({"device": device, "experts_owned": int(mine.sum()), "cache_slots": self._steps.executor.slots,
+                        "hits": hits, "fetched": fetched, "host_computed": host, "streamed": streamed,
+                        "hit_rate": round(hits / max(1, hits + fetched + host + streamed), 4),
+                        "bytes_fetched": fetched * self.checkpoint.pool.expert_bytes})
+        return out
 
     def calibrate(self) -> None:
         """Fold the host expert work done since the last call into the live bandwidth
@@ -323,7 +348,8 @@ class Model:
             return
         table = self.calibration.poll(self._host.work_done())
         if table is not None:
-            self._xstate = {**self._xstate, "q_of_misses": jax.device_put(table, sharding("device"))}
+            q = self._xstate["q_of_misses"]
+            self._xstate = {**self._xstate, "q_of_misses": jax.device_put(self._steps.executor.q_leaf(table), q.sharding)}
 
     def _capacity(self) -> int | None:
         """The expert cache's allocated slots as elastic memory last sized it (None: all)."""
@@ -338,7 +364,7 @@ class Model:
         the kind `new_state` commits them to (no state is made to ask)."""
         return {"expert_pool": memory_kind_of(self._pool_dev),
                 "expert_cache": memory_kind_of(self._xstate.get("cache", {})),
-                "state": sharding("device").memory_kind,
+                "state": self._placement.replicated().memory_kind,
                 "dense": memory_kind_of(self._params)}
 
     def reset_stats(self) -> None:
@@ -348,7 +374,7 @@ class Model:
         """Back to the policy's initial placement: every slot emptied (pinned policies
         re-pinned), every stamp forgotten."""
         q = self._xstate.get("q_of_misses")
-        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._capacity())
+        self._xstate = _initial_xstate(self._steps.executor, self.checkpoint.pool, self._placement, self._capacity())
         if q is not None and not q.is_deleted():  # the calibrated split stays
             self._xstate["q_of_misses"] = q
         if self.memory is not None:
@@ -356,13 +382,14 @@ class Model:
             self.memory.rebalance()  # back to the size the budget leaves
 
 
-def _initial_xstate(executor, pool, capacity: int | None = None) -> dict:
+def _initial_xstate(executor, pool, placement: Placement, capacity: int | None = None) -> dict:
     """Committed to device memory, as the steps return it: the first step after load then
-    compiles the same program as every later one. capacity: the cache buffer's slots
-    (None: all; elastic memory keeps a rebuilt cache at the size it had)."""
+    compiles the same program as every later one (one row per device on a mesh).
+    capacity: the cache buffer's slots (None: all; elastic memory keeps a rebuilt cache
+    at the size it had)."""
     state = executor.init_state(pool.parts, capacity)
     state.pop("codes")
-    return jax.device_put(state, sharding("device"))
+    return jax.device_put(state, placement.per_device())
 
 
 def _param_state(graphdef_state, params: dict[str, np.ndarray]):
@@ -380,7 +407,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
          prefill_stream_threshold: int | None = None, keep_records: int | None = DEFAULT_KEEP_RECORDS,
          prefill_chunk: int = 4096, kv_dtype: str | None = None, numerics: str = "auto",
          device_memory_bytes: int | str | None = None, calibrate: bool | None = None,
-         overlap_host: bool | None = None) -> Model:
+         overlap_host: bool | None = None, devices: int | list | None = None) -> Model:
     """Load a Hugging Face MoE checkpoint folder or a .gguf file (`ftjax.gguf_checkpoint`;
     its experts are used as stored: Q8_0 / Q4_0 / BF16 / F32), None = the embedded default model.
 
@@ -418,7 +445,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     layer's transfers and device half and collect it after (`HostExecutor.expert_ffn_start`),
     so the layer costs max(host, device) rather than their sum; False: one blocking call
     after the device half; None (default): the pair on the CPU backend, the blocking call
-    on a GPU (the CUDA handlers build but have not run on a GPU yet: True asks for them).
+    on a GPU (the CUDA handlers build but have not run on a GPU yet: True asks for them);
+    devices: split the experts over this many devices (or these jax devices) of a mesh,
+    each with its own `cache_slots` and bookkeeping; attention and dense layers run
+    replicated (`ftjax.placement`, `ftjax.experts.parallel`); None or 1: one device. Not
+    yet combined with device_memory_bytes, streamed prefill or overlap_host.
     """
     enable_persistent_cache()  # a restarted process reads its compiled programs back ($FTJAX_COMPILATION_CACHE)
     kv_dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -451,6 +482,13 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
                          "than one layer's program can be given); use 'cached' or 'auto'")
     pol = get_policy(policy)
     pool = ckpt.pool
+    placement = placement_for(devices)
+    if placement.mesh is not None:
+        for name, given in (("device_memory_bytes", device_memory_bytes is not None), ("overlap_host", overlap_host),
+                            ("prefill='streamed'", prefill == "streamed")):
+            if given:
+                raise ValueError(f"{name} is not available with devices={placement.size} yet (one device only)")
+        overlap_host = False
 
     slots = 0
     if pol.uses_slots:
@@ -485,9 +523,14 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype,
                              host_pair=pair, **expert_options)
+    if placement.mesh is not None:
+        from ftjax.experts.parallel import ExpertParallel
+        executor = ExpertParallel(executor, placement, frequency)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: causal_lm(cfg, packed=ckpt.packed)))
     params = _param_state(abstract, ckpt.params)
+    if placement.mesh is not None:  # committed to every device (uncommitted ones would be sent at every step)
+        params = jax.device_put(params, placement.replicated())
     ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
     tokenizer = getattr(ckpt, "tokenizer", None)  # a GGUF carries its own
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():
@@ -498,15 +541,16 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
                          f"max_position_embeddings), got {max_seq_len!r}")
     max_len = max_seq_len or cfg.max_position
     streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads) \
-        if pol.name != "device" and streamable else None
+        if pol.name != "device" and streamable and placement.mesh is None else None
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     model = Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                   bandwidth=bandwidth, _graphdef=graphdef, _params=params,
-                  _pool_dev=pool_view(pool, "device" if pol.name == "device" else "pinned_host"),
-                  _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool),
+                  _pool_dev=pool_view(pool, "device" if pol.name == "device" else "pinned_host", placement),
+                  _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool, placement),
                   _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
                   stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
-                  kv_dtype=kv_dtypes[kv_dtype], numerics=numerics, calibration=calibration, _host=host)
+                  kv_dtype=kv_dtypes[kv_dtype], numerics=numerics, calibration=calibration, _host=host,
+                  _placement=placement)
     if device_memory_bytes is not None:
         from ftjax.engine.memory import DeviceMemory, device_budget
 

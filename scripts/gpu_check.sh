@@ -46,9 +46,22 @@ python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --junitxml "$OU
 if [[ $DRY == 1 ]]; then
   python scripts/gpu_bench.py --allow-dirty --tokens 16 --prompt 64 | tee "$OUT/bench.jsonl"
   python scripts/bench_qsweep.py --allow-dirty --misses 8 --repeats 3 | tee -a "$OUT/bench.jsonl"
+  python scripts/bench_host_overlap.py --allow-dirty --repeats 5 | tee -a "$OUT/bench.jsonl"
+  # several devices: forced host devices stand in for GPUs
+  python scripts/bench_mesh.py --allow-dirty --devices 1 2 --repeats 1 --new-tokens 8 | tee -a "$OUT/bench.jsonl"
 else
   python scripts/gpu_bench.py --allow-dirty | tee "$OUT/bench.jsonl"
   python scripts/bench_qsweep.py --allow-dirty --misses 8 16 --repeats 9 | tee -a "$OUT/bench.jsonl"
+  # the start / finish pair on the GPU: step time against host alone and device alone
+  python scripts/bench_host_overlap.py --allow-dirty --repeats 20 | tee -a "$OUT/bench.jsonl" || true
+  # several GPUs: expert parallelism on the real devices, and its parity with one device
+  gpus=$(nvidia-smi -L | wc -l)
+  if (( gpus >= 2 )); then
+    counts="1 2"; (( gpus >= 4 )) && counts="1 2 4"
+    python scripts/bench_mesh.py --allow-dirty --real-devices --devices $counts | tee -a "$OUT/bench.jsonl" || true
+    (cd tests && python mesh_check.py "$OUT/mesh.jsonl" --families qwen3_moe,deepseek_v3,qwen3_next \
+      --policies device,lru --devices "$(echo ${counts#1 } | tr " " ",")" | tail -3) || true
+  fi
 fi
 
 python - "$OUT" "$start" <<'PY'
@@ -74,6 +87,15 @@ for line in open(f"{out}/bench.jsonl"):
                   f"({c['slowdown']:.2f}x, within 10%: {r['within_10pct']})"),
                  (f"layer at q*={q} ms: layer / max(device, host) / sum",
                   f"{r['measured_ms'][q]:.3f} / {max(dev, hst):.3f} / {dev + hst:.3f}")]
+    elif r["bench"] == "host_overlap":
+        rows.append(("host/device pair ms: host / device / pair / serial (pair / max)",
+                     f"{r['host_ms']:.2f} / {r['device_ms']:.2f} / {r['pair_ms']:.2f} / {r['serial_ms']:.2f} "
+                     f"({r['pair_over_max']:.2f})"))
+    elif r["bench"] == "mesh":
+        for run in r["runs"]:
+            rates = " ".join(f"{d['hit_rate']:.2f}" for d in run["per_device"])
+            rows.append((f"mesh {run['devices']} device(s): decode step ms, hit rate per device",
+                         f"{run['decode_step_ms']:.2f}, {rates} (same tokens: {r['same_tokens']})"))
     elif r["bench"] == "gpu_prefill" and r.get("available", True):
         rows.append(("prefill s: pipelined / transfer / compute / max / sum",
                      f"{r['t_prefill_s']:.3f} / {r['t_transfer_s']:.3f} / {r['t_compute_s']:.3f} / "

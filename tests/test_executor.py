@@ -201,7 +201,7 @@ def test_few_assignment_bookkeeping_matches_sorted(N, K, E, Lm, slots, table):
         ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
         valid = rng.random(N) < (0.8 if N > 1 else 1.0)
         ids = np.where(valid[:, None], ids, -1)
-        sel = selected_mask(jnp.maximum(ids, 0), jnp.asarray(valid), E)
+        sel = selected_mask(jnp.asarray(ids), E)
         book_f, codes_f, (expert, slot, do) = few(jnp.asarray(ids.reshape(-1)), sel, layer * E, book, jnp.int32(t))
         book_m, codes_m, fetched, target = many(sel, layer * E, book, jnp.int32(t))
         for name, f, m in zip(("slot_of", "id_of_slot", "stamp"), book_f, book_m):
@@ -211,3 +211,15 @@ def test_few_assignment_bookkeeping_matches_sorted(N, K, E, Lm, slots, table):
         copies = sorted(zip(np.asarray(expert)[do].tolist(), np.asarray(slot)[do].tolist()))
         fetched = np.asarray(fetched)
         assert copies == sorted(zip(np.flatnonzero(fetched).tolist(), np.asarray(target)[fetched].tolist())), case
+
+
+@pytest.mark.parametrize("N", [2, 40])  # the comparison form and the scatter form
+def test_selected_mask_ignores_assignments_without_an_expert(N):
+    import jax.numpy as jnp
+
+    from ftjax.experts.executor import selected_mask
+
+    ids = np.full((N, 2), -1, np.int32)
+    ids[0] = [3, -1]  # a token with one expert another device owns
+    ids[1] = [5, 3]
+    assert np.flatnonzero(np.asarray(selected_mask(jnp.asarray(ids), 8))).tolist() == [3, 5]

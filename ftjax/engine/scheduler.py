@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax import distributed
 from ftjax.engine.memory import DeviceMemoryError, consumed, tree_bytes
 from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import Sampling, _first_tokens
@@ -301,7 +302,19 @@ class Scheduler:
 
     def _failed(self, where: str, e: Exception, batch: bool) -> None:
         """A step raised: fail the prefilling job (and the batch's rows when their state is
-        gone), rebuild what the failure consumed, log it, go on."""
+        gone), rebuild what the failure consumed, log it, go on. When a peer process of a
+        distributed model is gone nothing can go on: every job ends with that error and
+        the scheduler stays degraded."""
+        e = distributed.step_error(e)
+        if isinstance(e, distributed.PeerLost):
+            log.error("%s step failed: %s", where, e)
+            self._fail_batch(f"error: PeerLost: {e}", e, prefill=True, rows=True)
+            for job in list(self._queue):
+                job.error = e
+                self._finish(job, f"error: PeerLost: {e}")
+            self._queue.clear()
+            self.degraded = str(e)
+            return
         reason = f"error: {type(e).__name__}: {e}"
         ids = ([self._prefill.job.id] if self._prefill else []) + \
               ([r.job.id for r in self._rows if r is not None] if batch else [])

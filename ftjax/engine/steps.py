@@ -23,7 +23,7 @@ from flax import nnx
 
 from ftjax import host
 from ftjax.engine.sampling import apply_bias, sample
-from ftjax.experts.executor import Executor
+from ftjax.experts.executor import Executor  # or experts.parallel.ExpertParallel: the same interface
 
 
 class Steps:
@@ -39,10 +39,10 @@ class Steps:
         def experts(layer, x, ids, w, ok, st):
             return E(layer, x, ids, w, ok, st, pool)
 
-        xstate = {**xstate, "codes": jnp.zeros((E.num_layers, E.num_experts), jnp.int8)}
+        xstate = {**xstate, "codes": E.fresh_codes()}
         with host.thread_limit(self.threads):
             logits, state, xstate = model(tokens, start, valid, state, experts, xstate, logits_at)
-        codes = xstate.pop("codes")
+        codes = E.merged_codes(xstate.pop("codes"))
         return logits, state, xstate, codes
 
     def _prefill(self, params, state, xstate, pool, tokens, start, length, all_logits: bool = False):

@@ -164,13 +164,13 @@ def _distinct_rows_ffn(gate_up, down, x32, rows, weights, fmt, limit=None):
     return y
 
 
-def selected_mask(ids: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
-    """U as a mask [E]: experts chosen by at least one valid token. ids [N, K], valid [N]."""
+def selected_mask(ids: jax.Array, num_experts: int) -> jax.Array:
+    """U as a mask [E]: experts chosen by at least one assignment. ids [N, K] (< 0: no
+    expert: an invalid token, or one another device owns)."""
     N, K = ids.shape
     if N * K <= _FEW_ASSIGNMENTS:  # one [E, N*K] comparison fuses into its users; a scatter does not
-        hit = (ids[None] == jnp.arange(num_experts)[:, None, None]) & valid[None, :, None]  # [E, N, K]
-        return jnp.any(hit, axis=(1, 2))
-    return jnp.zeros(num_experts, bool).at[ids.reshape(-1)].max(jnp.repeat(valid, K))
+        return jnp.any(ids[None] == jnp.arange(num_experts)[:, None, None], axis=(1, 2))
+    return jnp.zeros(num_experts, bool).at[jnp.where(ids >= 0, ids, num_experts).reshape(-1)].set(True, mode="drop")
 
 
 _BIG = int(np.iinfo(np.int32).max)  # sorts after every stamp, id and slot
@@ -378,10 +378,12 @@ class Executor:
         return int(min(capacity, bound))
 
     # ---- state -------------------------------------------------------------------------
-    def init_state(self, pool_parts: dict[str, np.ndarray], capacity: int | None = None) -> dict[str, Any]:
+    def init_state(self, pool_parts: dict[str, np.ndarray], capacity: int | None = None,
+                   residents: np.ndarray | None = None) -> dict[str, Any]:
         """Fresh state: empty cache, or the policy's pinned experts copied in.
         pool_parts: the host pool's parts pytree (`HostExpertPool.parts`); capacity: the
-        cache buffer's slots (default: all `slots`; elastic memory allocates fewer)."""
+        cache buffer's slots (default: all `slots`; elastic memory allocates fewer);
+        residents: the pinned experts (global ids) instead of the policy's own."""
         Lm, E = self.num_layers, self.num_experts
         state: dict[str, Any] = {"codes": jnp.zeros((Lm, E), jnp.int8)}
         if not self.policy.uses_slots:
@@ -390,7 +392,7 @@ class Executor:
         cache = empty_cache(pool_parts, S)
         slot_of = np.full(Lm * E, -1, np.int32)
         id_of_slot = np.full(S, -1, np.int32)
-        for slot, g in enumerate(self.residents[:S]):
+        for slot, g in enumerate((self.residents if residents is None else residents)[:S]):
             for name, part in pool_parts.items():
                 cache[name][slot] = part[g // E, g % E]
             slot_of[g], id_of_slot[slot] = slot, g
@@ -402,11 +404,23 @@ class Executor:
         )
         return state
 
+    def fresh_codes(self) -> jax.Array:
+        """The step's telemetry log, empty: codes [Lm, E]."""
+        return jnp.zeros((self.num_layers, self.num_experts), jnp.int8)
+
+    def merged_codes(self, codes: jax.Array) -> jax.Array:
+        """The step's log as codes [Lm, E] (one device: as written)."""
+        return codes
+
+    def q_leaf(self, table: np.ndarray) -> np.ndarray:
+        """The state's q_of_misses leaf for a new q table (one device: the table)."""
+        return table
+
     # ---- one record ------------------------------------------------------------------------
     def __call__(self, layer: int, x, ids, weights, valid, state, pool):
         """x [N, D], ids/weights [N, K], valid [N] -> y [N, D], state."""
         ids = jnp.where(valid[:, None], ids, -1)
-        sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
+        sel = selected_mask(ids, self.num_experts)
         if self.policy.name == "device":
             E = self.num_experts
             flat = flat_rows(pool)  # [Lm*E, ...]: no copy
@@ -475,7 +489,7 @@ class Executor:
         run from their slots (hits) and were not sent; the rest run from the block.
         The decode cache, stamps and counter are left untouched."""
         ids = jnp.where(valid[:, None], ids, -1)
-        sel = selected_mask(jnp.maximum(ids, 0), valid, self.num_experts)
+        sel = selected_mask(ids, self.num_experts)
         safe = jnp.maximum(ids, 0)
         y = jnp.zeros_like(x)
         hit = jnp.zeros_like(sel)

@@ -7,7 +7,7 @@ Two kinds of series:
 - read at scrape time from the engine (a collector over `Engine.stats()`, which takes
   the step lock, so the numbers are those between two steps): queue depth, running and
   prefilling rows, tokens reused vs prefilled and state-cache lookups by what they hit,
-  device bytes in use, expert-cache selections / hits.
+  device bytes in use, expert-cache selections / hits, and each device's share of them.
 
 Each server has its own registry (no process globals), so tests can run several.
 """
@@ -100,6 +100,15 @@ class _EngineCollector:
         yield _counter("ftjax_expert_cache_hits", "Selections found in the device expert cache", experts["hits"])
         yield _gauge("ftjax_expert_cache_hit_rate", "hits / selections since load",
                      experts["hits"] / experts["selections"] if experts["selections"] else 0.0)
+        per_device = experts.get("devices", [])
+        for name, key, doc in (("ftjax_device_expert_hits", "hits", "Selections found in a device's expert cache"),
+                               ("ftjax_device_expert_fetched", "fetched", "Misses a device fetched into its cache"),
+                               ("ftjax_device_expert_host", "host_computed", "A device's misses computed on the host"),
+                               ("ftjax_device_bytes_fetched", "bytes_fetched", "Expert bytes a device fetched")):
+            family = CounterMetricFamily(name, doc + " (by device)", labels=["device"])
+            for d in per_device:
+                family.add_metric([d["device"]], d[key])
+            yield family
         device = st["memory"].get("device_bytes_in_use")
         if device is not None:
             yield _gauge("ftjax_device_bytes_in_use", "Device memory in use (the backend's count)", device)
