@@ -549,11 +549,32 @@ def overlap_tables(run: Run):
         rows.append([Text(f"{x.get('tokens')} tokens x {x.get('experts')} experts ({x.get('d_model')} x {x.get('d_ff')}, "
                           f"{x.get('host_threads')} host thread); {x.get('device_matmuls')} matmuls"),
                      Value(x.get("host_ms"), x), Value(x.get("device_ms"), x), serial, Value(x.get("blocking_ms"), x), pair,
-                     Ratio(pair, longest), Ratio(serial, longest)])
+                     Ratio(pair, longest), Ratio(serial, longest)]
+                    + ([Value(x.get("corun_ms"), x), Ratio(pair, Value(x.get("corun_ms"), x))] if "corun_ms" in x.data
+                       else [Text("—")] * 2))
     if not rows:
         return [], []
     header = ["layer: host half; device half", "host ms", "device ms", "serial ms", "no order ms", "pair ms",
-              "pair / max (ratio)", "serial / max (ratio)"]
+              "pair / max (ratio)", "serial / max (ratio)", "both at once, no step, ms", "pair / both at once (ratio)"]
+    return [Table(run.name, header, rows, run)], []
+
+
+def mesh_tables(run: Run):
+    """`scripts/bench_mesh.py` lines: the default model's decode on 1, 2 and 4 devices."""
+    rows = []
+    for x in run.bench("mesh"):
+        runs = x.get("runs")
+        one = Value(runs[0]["decode_step_ms"], x)
+        for r in runs:
+            rates = Joined(tuple(Value(d["hit_rate"], x) for d in r["per_device"]), sep=", ")
+            step = Value(r["decode_step_ms"], x)
+            rows.append([Text(f"{r['devices']} ({'forced host devices' if x.get('forced_host_devices') else 'real'})"),
+                         Value(x.get("cache_slots_per_device"), x), step, Value(r["prefill_s"], x), rates,
+                         Ratio(step, one), Text("yes" if x.get("same_tokens") else "NO")])
+    if not rows:
+        return [], []
+    header = ["devices", "cache slots per device", "decode step ms", "prefill s", "hit rate per device",
+              "step / first row (ratio)", "same tokens"]
     return [Table(run.name, header, rows, run)], []
 
 
@@ -646,6 +667,13 @@ QUESTIONS = [
              "one core, the host kernel on the other.",
              [overlap_tables],
              "`scripts/bench_host_overlap.py | tail -1 >> docs/results/overlap/DATE/overlap.jsonl` (3 runs)"),
+    Question("mesh", "Experts split over several devices",
+             "The embedded model decoding on 1, 2 and 4 devices of a mesh (`scripts/bench_mesh.py`: each device owns "
+             "the experts e % P == d and caches its own; attention replicated; one all-reduce per MoE layer), the "
+             "same cache slots per device, pinned bandwidths. Forced host devices share this machine's cores and "
+             "RAM: the step times show what the collective and the replicated attention cost, not a speed-up.",
+             [mesh_tables],
+             "`scripts/bench_mesh.py | tail -1 >> docs/results/mesh/DATE/mesh.jsonl`"),
     Question("compile", "Compile time of a fresh model",
              "XLA backend compile seconds of a fresh model's first prompt and first decode step, and the wall time of "
              "that first prompt (`scripts/bench_compile.py`; no persistent compilation cache).",
