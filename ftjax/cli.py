@@ -312,7 +312,8 @@ def cmd_serve(args) -> int:
         model, args.state_cache, int(args.state_cache_device_gb * 2**30), int(args.state_cache_host_gb * 2**30),
         args.state_cache_dir, int(args.state_cache_disk_gb * 2**30))
     serve(model, args.host, args.port, model_id, args.max_batch, args.prefill_chunk, args.max_body_bytes,
-          args.keepalive_s, args.warmup, cache, args.max_queue, args.request_timeout_s, args.drain_s)
+          args.keepalive_s, args.warmup, cache, args.max_queue, args.request_timeout_s, args.drain_s,
+          args.idle_reprefill == "on")
     return 0
 
 
@@ -347,6 +348,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-cache-dir", default=None,
                    help="state cache: disk tier folder (orbax); a restarted server resumes the sessions kept there")
     p.add_argument("--state-cache-disk-gb", type=float, default=32.0, help="state cache: disk tier budget (GiB)")
+    p.add_argument("--idle-reprefill", choices=["on", "off"], default="on",
+                   help="learn how each conversation rewrites its history and prefill the predicted next one into "
+                        "the state cache while the engine is idle (a request preempts it; reuse needs an exact "
+                        "token match, so a wrong prediction costs idle compute only; needs a state cache)")
 
 
 def cmd_profile(argv: list[str]) -> int:

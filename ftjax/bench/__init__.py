@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from ftjax.runinfo import DirtyTreeError, add_allow_dirty_argument, require_clean
@@ -61,8 +62,11 @@ def _add_agent_parser(sub) -> None:
     a.add_argument("--no-warmup", action="store_true", help="start serve without --warmup (compiles during replay)")
     a.add_argument("--device-memory-gb", type=float, default=None,
                    help="serve's device memory budget (GiB); /v1/stats then reports the memory split plotted")
-    a.add_argument("--history", choices=["rewritten", "append"], default="rewritten",
-                   help="send the transcripts with the history rewrites agents do, or append-only")
+    a.add_argument("--history", default="rewritten", metavar="{rewritten,append,keep-last-K}",
+                   help="send the transcripts with the history rewrites agent frameworks do, append-only, or "
+                        "with every tool output but the last K replaced by a placeholder")
+    a.add_argument("--tool-time-s", type=float, default=0.0,
+                   help="seconds the agent's tool runs between a response and the next request (idle engine)")
     a.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to serve as it is (repeatable; e.g. --serve-arg=--policy --serve-arg=host)")
     add_allow_dirty_argument(a)
@@ -75,6 +79,10 @@ def _main_agent(args) -> int:
            if getattr(args, n) is not None and getattr(args, n) < 1]
     if args.scale is not None and not args.scale > 0:
         bad.append(f"--scale must be positive, got {args.scale}")
+    if not (args.tool_time_s >= 0):
+        bad.append(f"--tool-time-s must be >= 0, got {args.tool_time_s}")
+    if not re.fullmatch(r"rewritten|append|keep-last-[1-9]\d*", args.history):
+        bad.append(f"--history must be rewritten, append or keep-last-K (K >= 1), got {args.history!r}")
     if bad:
         print(f"ftjax bench agent: error: {bad[0]}", file=sys.stderr)
         return 2
@@ -82,7 +90,8 @@ def _main_agent(args) -> int:
           if v is not None}
     kw.update(modes=tuple(dict.fromkeys(args.modes)), workloads=tuple(dict.fromkeys(args.workloads)),
               model=args.model, port=args.port, timeout_s=args.timeout_s, warmup=not args.no_warmup,
-              device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg), history=args.history)
+              device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg), history=args.history,
+              tool_time_s=args.tool_time_s)
     settings = AgentSettings.quick(**kw) if args.quick else AgentSettings(**kw)
     summary = run_agent(args.out, settings)
     print(json.dumps(summary, separators=(",", ":"), default=str), flush=True)

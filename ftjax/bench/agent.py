@@ -65,7 +65,7 @@ from ftjax.data import agent_transcripts as transcripts
 from ftjax.engine.state_cache import MODES as STATE_CACHE_MODES
 from ftjax.runinfo import REPO, commit_info, machine_info
 
-MODES = STATE_CACHE_MODES  # off, prefix, semantic
+MODES = STATE_CACHE_MODES + ("reprefill",)  # off, prefix, semantic; reprefill = semantic + idle re-prefill
 GREEDY = {"temperature": 0}  # as extra_body for the anthropic SDK, whose create() has no temperature parameter
 
 
@@ -85,6 +85,9 @@ class AgentSettings:
     serve_args: tuple[str, ...] = ()  # more serve options, as they are (e.g. --policy host --max-seq-len 8192)
     stats_interval_s: float = 0.5
     history: str = "rewritten"  # "rewritten" (as agent frameworks send it) | "append" (never rewritten)
+    #                             | "keep-last-K" (every tool output but the last K replaced by a placeholder)
+    tool_time_s: float = 0.0  # the agent's tool runs this long between a response and its next request
+    idle_flag: bool = False  # serve has --idle-reprefill (set by run_agent from `serve --help`)
 
     @classmethod
     def quick(cls, **kw) -> "AgentSettings":
@@ -105,6 +108,8 @@ def mode_support(modes, help_text: str) -> dict[str, str | None]:
         return {m: None if m == "off" else "serve has no --state-cache option in this checkout" for m in modes}
     choices = re.search(r"--state-cache \{([^}]*)\}", help_text)
     known = choices.group(1).split(",") if choices else modes
+    if "--idle-reprefill" in help_text:
+        known = known + ["reprefill"]
     return {m: None if m in known else f"serve --state-cache has no mode {m!r} (only {', '.join(known)})"
             for m in modes}
 
@@ -132,8 +137,10 @@ class Server:
             self.cmd.append("--warmup")
         if s.device_memory_gb is not None:
             self.cmd += ["--device-memory-gb", str(s.device_memory_gb)]
-        if flag:
-            self.cmd += ["--state-cache", mode]
+        if flag:  # reprefill: the semantic cache with idle re-prefill; the other modes without it
+            self.cmd += ["--state-cache", "semantic" if mode == "reprefill" else mode]
+        if s.idle_flag:
+            self.cmd += ["--idle-reprefill", "on" if mode == "reprefill" else "off"]
         self.cmd += list(s.serve_args)
         self.timeout_s = s.timeout_s
 
@@ -307,6 +314,17 @@ def warm_clients(sdk: dict, model_id: str) -> None:
 
 # ---- one mode ----------------------------------------------------------------------------------------
 
+def history(w, style: str):
+    """The workload as an agent with this history style sends it."""
+    if style == "append":
+        return w.append_only()
+    if style.startswith("keep-last-"):
+        return w.keep_last_tool_outputs(int(style.removeprefix("keep-last-")))
+    if style != "rewritten":
+        raise ValueError(f"history must be rewritten, append or keep-last-K, got {style!r}")
+    return w
+
+
 def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[str], None]) -> tuple[dict, list]:
     """Start the server in `mode`, replay every workload, stop it -> (mode info, records)."""
     port = s.port or free_port()
@@ -326,7 +344,7 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         poller.start()
         for name in s.workloads:
             w = transcripts.build(name, s.scale)
-            w = w.append_only() if s.history == "append" else w
+            w = history(w, s.history)
             poller.workload = name
             requests = w.requests()[: s.turns]
             for i, messages in enumerate(requests):
@@ -340,6 +358,8 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
                 after = poller.sample()
                 rec.state_cache = after and after["state_cache"]
                 records.append(rec)
+                if s.tool_time_s and i + 1 < len(requests):
+                    time.sleep(s.tool_time_s)  # the agent's tool runs: the engine is idle
                 log(f"{mode}/{name} {i + 1}/{len(requests)}: " + (
                     f"ERROR {rec.error}" if rec.error else
                     f"{rec.prompt_tokens} prompt tokens, cached {rec.cached_tokens}, TTFT {rec.ttft_s * 1e3:.0f} ms"
@@ -526,6 +546,7 @@ def run_agent(out: str | Path, settings: AgentSettings | None = None, log: Calla
     help_text = serve_help() if help_text is None else help_text
     support = mode_support(s.modes, help_text)
     flag = "--state-cache" in help_text
+    s.idle_flag = "--idle-reprefill" in help_text
     doc = {"commit": commit_info(), "machine": machine_info(), "settings": asdict(s),
            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "state_cache_flag": flag, "modes": {}, "records": []}
     for mode in s.modes:

@@ -22,6 +22,8 @@ rewrite changes text the server has seen before, which breaks a plain prefix mat
     (c) re-echo: from request `echo_at` on, the tool call of step `echo_of` is sent
         re-serialised (keys reversed, compact separators): same name and arguments,
         different text
+    (d) eliding (`keep_last_tool_outputs(k)`, instead of (a)-(c)): every tool output
+        but the last k replaced by a placeholder, as coding agents do
 
 Workloads: `coding` (a code-editing agent: list_files / read_file / edit_file /
 run_tests, long tool outputs: listings, code, test logs; replayed with the OpenAI SDK)
@@ -42,6 +44,7 @@ import random
 from dataclasses import dataclass, field
 
 TRIM_MARK = "[... trimmed"
+ELIDED = "[tool output elided]"
 
 
 @dataclass
@@ -62,12 +65,21 @@ class Workload:
     trim_lines: int = 3  # ... to their first lines
     echo_of: int = 1  # rewrite (c): the step whose tool call is re-echoed ...
     echo_at: int = 6  # ... from this request on
+    elide_keep: int | None = None  # rewrite (d): all but the last `elide_keep` tool outputs become ELIDED
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def request(self, i: int) -> list[dict]:
         """The messages of request i: the rewritten history plus step i's inputs."""
+        out = self._request(i)
+        if self.elide_keep is not None:
+            tools = [m for m in out if m["role"] == "tool"]
+            for m in tools[:max(0, len(tools) - self.elide_keep)]:
+                m["content"] = ELIDED
+        return out
+
+    def _request(self, i: int) -> list[dict]:
         out = [{"role": "system", "content": self.system}]
         for k, step in enumerate(self.steps[: i + 1]):
             for m in step.inputs:
@@ -88,6 +100,11 @@ class Workload:
 
     def requests(self) -> list[list[dict]]:
         return [self.request(i) for i in range(len(self.steps))]
+
+    def keep_last_tool_outputs(self, k: int) -> "Workload":
+        """The same conversation sent by an agent that replaces every tool output but the
+        last k with a placeholder (and otherwise never rewrites)."""
+        return dataclasses.replace(self.append_only(), elide_keep=k)
 
     def append_only(self) -> "Workload":
         """The same conversation sent as an agent that never rewrites its history: every

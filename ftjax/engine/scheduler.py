@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from ftjax.model import Model
 
 log = logging.getLogger("ftjax.engine")
+IDLE_JOBS = 4  # idle prefills waiting at most (`Scheduler.submit_idle`): the newest win
 DEFAULT_MAX_QUEUE = 64
 
 
@@ -116,6 +117,7 @@ class Job:
     cached_tokens: int = 0  # prompt tokens restored from the state cache, not prefilled
     outcome: str | None = None  # the reason it ended, once it has
     error: Exception | None = None  # the exception behind an "error: ..." outcome, when one raised
+    idle: bool = False  # a prefill into the state cache at low priority, no token (`submit_idle`)
 
     def bias(self) -> dict[int, float] | None:
         """The row's logit bias: logit_bias, banned tokens at -inf."""
@@ -177,6 +179,7 @@ class Scheduler:
         self.capacities = capacity_buckets(model.max_seq_len)
         self.eos = model.eos_ids
         self._queue: collections.deque[Job] = collections.deque()
+        self._idle: collections.deque[Job] = collections.deque(maxlen=IDLE_JOBS)  # newest win
         self._cv = threading.Condition()
         self._prefill: _Prefill | None = None
         self._rows: list[_Row | None] = []  # [Bp]
@@ -205,6 +208,25 @@ class Scheduler:
             self._queue.append(job)
             self._cv.notify()
 
+    def submit_idle(self, prompt: np.ndarray, on_done: Callable[[str], None] = lambda reason: None) -> bool:
+        """Prefill `prompt` into the state cache when the engine has nothing else to do
+        (no request queued or running), at low priority: a request that arrives meanwhile
+        preempts it at the next chunk boundary (the part done is kept in the state cache).
+        Only the newest IDLE_JOBS wait; no token is produced. on_done(reason): "idle"
+        (prefilled), "preempted", or an error. -> False when there is no state cache or
+        the engine takes no work."""
+        if self.state_cache is None:
+            return False
+        job = Job(np.asarray(prompt, np.int32), 0, Sampling(), lambda tok: True, on_done, idle=True)
+        with self._cv:
+            if not self.accepting or self.degraded:
+                return False
+            if len(self._idle) == self._idle.maxlen:
+                self._counts["idle_dropped"] += 1
+            self._idle.append(job)
+            self._cv.notify()
+        return True
+
     def cancel(self, job: Job) -> None:
         job.cancelled = True
         with self._cv:
@@ -214,6 +236,7 @@ class Scheduler:
         """Stop admitting; what is queued or running goes on."""
         with self._cv:
             self.accepting = False
+            self._idle.clear()  # idle work is for a server that goes on
             self._cv.notify()
 
     def fail_pending(self, reason: str) -> None:
@@ -236,7 +259,9 @@ class Scheduler:
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "batch_rows": len(self._rows),
                 "capacity": self._cap, "accepting": self.accepting, "degraded": self.degraded,
                 **{k: self._counts[k] for k in ("steps", "admitted", "finished", "cancelled", "timeouts", "errors",
-                                                "rejected", "recoveries", "peak_active")}}
+                                                "rejected", "recoveries", "peak_active")},
+                "idle": {"waiting": len(self._idle), **{k: self._counts[f"idle_{k}"] for k in (
+                    "admitted", "done", "preempted", "dropped", "tokens")}}}
 
     # ---- the engine thread -------------------------------------------------------------------
     def run(self, stop: threading.Event, idle_s: float = 0.25) -> None:
@@ -269,13 +294,14 @@ class Scheduler:
         return self.memory.state_bytes(max(cap, self._cap), rows) - self.device_state_bytes()
 
     def busy(self) -> bool:
-        return bool(self._queue) or self._prefill is not None or any(self._rows)
+        return bool(self._queue) or self._prefill is not None or any(self._rows) or bool(self._idle)
 
     def step(self) -> None:
         """One iteration: end cancelled and expired jobs, one prefill chunk, one decode
         step. A failure ends the jobs it touched and leaves the scheduler serving."""
         self._drop_ended()
-        if self._prefill is not None or self._queue:
+        self._preempt_idle()
+        if self._prefill is not None or self._queue or (self._idle and not any(self._rows)):
             try:
                 while self._advance_prefill() and self._queue:
                     pass  # jobs that need no prefill (continued sessions, whole-prompt cache hits) join together
@@ -290,6 +316,9 @@ class Scheduler:
     def _finish(self, job: Job, reason: str) -> None:
         """The one way a job ends: exactly once, whatever its callbacks do."""
         if job.outcome is not None:
+            return
+        if job.idle:  # not a request: its own counters
+            self._end_idle(job, "error" if reason.startswith("error") else reason)
             return
         job.outcome = reason
         kind = reason.split(":")[0]
@@ -380,14 +409,20 @@ class Scheduler:
         if self._prefill is None:
             live = sum(r is not None for r in self._rows)
             with self._cv:
-                if not self._queue or live >= self.max_batch:
+                if self._queue and live < self.max_batch:
+                    job = self._queue[0]
+                    if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
+                        return False  # waits for running rows to leave (it fits alone: checked at submission)
+                    self._queue.popleft()
+                elif self._idle and not live and not self._queue:  # nothing else to do: idle work
+                    job = self._idle.pop()  # the newest prediction first
+                    if self.memory is not None and not self.memory.fits(self.need_bytes(job)):
+                        self._end_idle(job, "dropped")
+                        return False
+                else:
                     return False
-                job = self._queue[0]
-                if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
-                    return False  # waits for running rows to leave (it fits alone: checked at submission)
-                self._queue.popleft()
                 self._prefill = p = _Prefill(job)  # tracked from here on: a failure below ends it
-            self._counts["admitted"] += 1
+            self._counts["idle_admitted" if job.idle else "admitted"] += 1
             cap = self._capacity(job.prompt.size + 1)
             if job.session is not None:  # a continued session: the prompt is in, its logits ready
                 if job.session._next_logits is None or job.session._fed != job.prompt.size:
@@ -410,10 +445,37 @@ class Scheduler:
             p.snapshots.pop(0)
             self._snapshot(p.session, "prompt" if p.done == p.job.prompt.size else "boundary")
         if p.done == p.job.prompt.size:
-            self._join(p)
             self._prefill = None
+            if p.job.idle:  # in the state cache now (its end is a snapshot): nothing to decode
+                self._counts["idle_tokens"] += p.done - p.job.cached_tokens
+                p.session.close()
+                self._end_idle(p.job, "idle")
+                return False
+            self._join(p)
             return not fed
         return False
+
+    def _preempt_idle(self) -> None:
+        """A request is waiting or decoding: the idle prefill in progress stops here (its
+        chunks so far go into the state cache, so they are not lost)."""
+        p = self._prefill
+        if p is None or not p.job.idle or not (self._queue or any(self._rows)):
+            return
+        self._prefill = None
+        if p.session is not None and p.done > p.job.cached_tokens:
+            self._counts["idle_tokens"] += p.done - p.job.cached_tokens
+            self._snapshot(p.session, "predicted")
+        if p.session is not None:
+            p.session.close()
+        self._end_idle(p.job, "preempted")
+
+    def _end_idle(self, job: Job, reason: str) -> None:
+        job.outcome = reason
+        self._counts["idle_done" if reason == "idle" else f"idle_{reason}"] += 1
+        try:
+            job.on_done(reason)
+        except Exception:
+            log.exception("idle job: its done callback raised")
 
     def _snapshot(self, session, kind: str) -> None:
         """Into the state cache; the cache is an optimisation, so a failure there (a full

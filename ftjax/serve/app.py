@@ -186,13 +186,16 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
 def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftjax-default", max_batch: int = 4,
           prefill_chunk: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 5.0,
           warmup: bool = False, state_cache=None, max_queue: int = 64,
-          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, drain_s: float = DEFAULT_DRAIN_S) -> None:
+          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, drain_s: float = DEFAULT_DRAIN_S,
+          idle_reprefill: bool = True) -> None:
     """Run the server until SIGTERM / Ctrl-C; `warmup` compiles the engine's programs first.
-    state_cache: an `engine.state_cache.StateCache` or None (off)."""
+    state_cache: an `engine.state_cache.StateCache` or None (off); idle_reprefill: prefill
+    each conversation's predicted next history while idle (`Engine`)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache, max_queue, request_timeout_s)
+    engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache, max_queue, request_timeout_s,
+                    idle_reprefill)
     if warmup:
         print(f"ftjax serve: compiled the engine's programs in {engine.scheduler.warmup():.1f} s", file=sys.stderr,
               flush=True)

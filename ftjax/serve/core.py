@@ -42,6 +42,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from ftjax.engine.rewrites import RewriteTracker
 from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, Job, NotAccepting, QueueFull, Scheduler
 from ftjax.engine.session import Sampling
 
@@ -49,6 +50,7 @@ log = logging.getLogger("ftjax.serve")
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_DRAIN_S = 30.0
 RETRY_AFTER_S = 1
+MIN_IDLE_TOKENS = 16  # a predicted history that a prefix match would reuse but for fewer tokens is not prefilled
 
 TAGS = {"<think>": "think_open", "</think>": "think_close", "<tool_call>": "call_open", "</tool_call>": "call_close"}
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -233,8 +235,9 @@ class Generation:
     """Bridges a scheduler Job (engine thread) to an asyncio consumer."""
 
     def __init__(self, engine: Engine, ids: np.ndarray, req: ChatRequest, forced: list[int], banned: frozenset,
-                 loop: asyncio.AbstractEventLoop, max_tokens: int):
+                 loop: asyncio.AbstractEventLoop, max_tokens: int, next_prompt: list[int] | None = None):
         self.engine, self.loop, self.prompt_tokens = engine, loop, int(ids.size)
+        self.next_prompt = next_prompt  # how the conversation's next request should begin: prefilled when idle
         self.id = new_id()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.parser = OutputParser(engine.tokenizer, req.stop, structured=req.messages is not None)
@@ -270,6 +273,8 @@ class Generation:
         return [self.engine.tokenizer.added_token_ids["</think>"]]
 
     def _on_done(self, reason: str) -> None:
+        if self.next_prompt is not None and reason in ("eos", "stop", "length"):
+            self.engine.scheduler.submit_idle(np.asarray(self.next_prompt, np.int32))
         events = self.parser.finish() if not reason.startswith(("error", "timeout")) else []
         self._put(events + [Done(reason, self.prompt_tokens, self.job.new_tokens, self.stop_sequence,
                                  self.job.cached_tokens)])
@@ -337,11 +342,15 @@ def done_error(done: Done) -> ServeError | None:
 
 class Engine:
     def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
-                 max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 idle_reprefill: bool = True):
         """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
         whole); the engine owns it from here (its thread uses it; `close` persists it).
         max_queue: requests waiting beyond the running batch (more get 429 / 529);
-        request_timeout_s: the longest any request may take, queue included."""
+        request_timeout_s: the longest any request may take, queue included;
+        idle_reprefill: learn how each conversation rewrites its history
+        (`engine.rewrites`) and, after a response, prefill the predicted beginning of its
+        next request into the state cache while the engine is idle (needs a state cache)."""
         if model.tokenizer is None:
             raise ValueError("ftjax serve needs a model folder with tokenizer.json")
         if not (isinstance(request_timeout_s, (int, float)) and 0 < request_timeout_s < float("inf")):
@@ -349,6 +358,9 @@ class Engine:
         self.model, self.model_id, self.tokenizer = model, model_id, model.tokenizer
         self.state_cache = state_cache
         self.request_timeout_s = float(request_timeout_s)
+        self.rewrites = RewriteTracker() if idle_reprefill and state_cache is not None else None
+        self._rewrites_lock = threading.Lock()  # requests are prepared on worker threads
+        self.idle_counters = {"predicted_tokens": 0, "token_exact": 0, "token_wrong": 0, "tokens_ready": 0}
         self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache, max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="ftjax-engine",
@@ -429,9 +441,10 @@ class Engine:
         name = choice["name"] if isinstance(choice, dict) else req.tools[0]["function"]["name"]
         return [call] + self.tokenizer.encode(f'\n{{"name": {json.dumps(name)}, "arguments": '), frozenset()
 
-    def prepare(self, req: ChatRequest) -> tuple[np.ndarray, list[int], frozenset, int]:
-        """-> (prompt ids, forced tokens, banned tokens, max new tokens). Renders the
-        template: call it off the event loop."""
+    def prepare(self, req: ChatRequest) -> tuple[np.ndarray, list[int], frozenset, int, list[int] | None]:
+        """-> (prompt ids, forced tokens, banned tokens, max new tokens, the predicted
+        beginning of the conversation's next request or None). Renders the template:
+        call it off the event loop."""
         if req.max_tokens is not None and (not isinstance(req.max_tokens, int) or req.max_tokens < 1):
             raise ServeError(f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
         if req.max_tokens is not None and req.max_tokens > self.context:
@@ -459,7 +472,38 @@ class Engine:
                                  f"{need / 2**20:.1f} MiB, more than the device memory budget leaves "
                                  f"({memory.room_alone() / 2**20:.1f} MiB after weights and prefill scratch)",
                                  param="max_tokens")
-        return self.model.check_ids(ids), forced, banned, max_tokens
+        checked = self.model.check_ids(ids)
+        return checked, forced, banned, max_tokens, self._next_prompt(req, ids)
+
+    def _next_prompt(self, req: ChatRequest, ids: list[int]) -> list[int] | None:
+        """Idle re-prefill: check the conversation's last prediction against this
+        request's tokens, learn from its messages, and -> the predicted beginning of the
+        next request as tokens (None: no rewrite predicted, not confident, or nothing a
+        prefix match would not already reuse)."""
+        if self.rewrites is None or req.messages is None:
+            return None
+        with self._rewrites_lock:
+            known = self.rewrites.peek(req.messages)
+            before = known.predicted_ids if known is not None else None
+            if before is not None:
+                exact = list(ids[:len(before)]) == before
+                self.idle_counters["token_exact" if exact else "token_wrong"] += 1
+                self.idle_counters["tokens_ready"] += len(before) if exact else 0
+            conv, predicted = self.rewrites.observe(req.messages)
+            if predicted is None:
+                return None
+            try:
+                text = self.tokenizer.apply_chat_template(predicted, add_generation_prompt=False, tools=req.tools)
+            except Exception:  # the template takes the request's messages, so this is not expected: skip
+                log.exception("idle re-prefill: the predicted history does not render")
+                return None
+            nxt = self.tokenizer.encode(text)
+            same = next((i for i, (a, b) in enumerate(zip(nxt, ids)) if a != b), min(len(nxt), len(ids)))
+            if len(nxt) - same < MIN_IDLE_TOKENS or len(nxt) >= self.context:
+                return None
+            conv.predicted_ids = nxt
+            self.idle_counters["predicted_tokens"] += len(nxt)
+            return nxt
 
     async def count(self, req: ChatRequest) -> int:
         return len(await asyncio.to_thread(self.render, req))
@@ -468,8 +512,8 @@ class Engine:
         """Render and check the request (off the event loop), queue it -> its Generation.
         Refusals: ServeError 4xx for the request's fault, 429 / 529 when the queue is full,
         503 while the engine is shutting down or degraded."""
-        ids, forced, banned, max_tokens = await asyncio.to_thread(self.prepare, req)
-        gen = Generation(self, ids, req, forced, banned, asyncio.get_running_loop(), max_tokens)
+        ids, forced, banned, max_tokens, next_prompt = await asyncio.to_thread(self.prepare, req)
+        gen = Generation(self, ids, req, forced, banned, asyncio.get_running_loop(), max_tokens, next_prompt)
         try:
             self.scheduler.submit(gen.job)
         except QueueFull as e:
@@ -488,7 +532,11 @@ class Engine:
             cache = self.state_cache.stats() if self.state_cache is not None else {"mode": "off"}
             split = m.memory.split() if m.memory is not None else None
         bw = m.bandwidth
-        return {"model": self.model_id, "uptime_s": round(time.time() - self.started_at, 1),
+        idle = None
+        if self.rewrites is not None:
+            with self._rewrites_lock:
+                idle = {**self.rewrites.counters, **self.idle_counters}
+        return {"model": self.model_id, "uptime_s": round(time.time() - self.started_at, 1), "idle_reprefill": idle,
                 "experts": {**model_stats, "B_P_gbps": bw[0] if bw else None, "B_H_gbps": bw[1] if bw else None},
                 "sessions": self.scheduler.stats(), "state_cache": cache, "memory_split": split,
                 "memory": memory_stats()}

@@ -100,6 +100,16 @@ class _EngineCollector:
         yield _counter("ftjax_expert_cache_hits", "Selections found in the device expert cache", experts["hits"])
         yield _gauge("ftjax_expert_cache_hit_rate", "hits / selections since load",
                      experts["hits"] / experts["selections"] if experts["selections"] else 0.0)
+        idle = st.get("idle_reprefill")
+        if idle is not None:
+            family = CounterMetricFamily("ftjax_idle_reprefill", "Idle re-prefill: predictions made, checked right "
+                                         "or wrong (tokens), tokens prefilled while idle and ready when asked",
+                                         labels=["what"])
+            for what in ("predictions", "token_exact", "token_wrong", "tokens_ready"):
+                family.add_metric([what], idle[what])
+            family.add_metric(["tokens_prefilled"], sessions["idle"]["tokens"])
+            family.add_metric(["preempted"], sessions["idle"]["preempted"])
+            yield family
         per_device = experts.get("devices", [])
         for name, key, doc in (("ftjax_device_expert_hits", "hits", "Selections found in a device's expert cache"),
                                ("ftjax_device_expert_fetched", "fetched", "Misses a device fetched into its cache"),
