@@ -477,7 +477,9 @@ def agent_tables(run: Run):
     rows = []
     for x in run.bench("agent"):
         for key, t in sorted((x.get("ttft_ms") or {}).items()):
-            rows.append([Text(f"`{x.get('model')}`, {key.replace('/', ', ')}, history {x.get('history')}"),
+            tool = f", tool time {x.get('tool_time_s'):g} s" if x.get("tool_time_s") else ""
+            scale = f", scale {x.get('scale'):g}" if x.get("scale") not in (None, 1.0) else ""
+            rows.append([Text(f"`{x.get('model')}`, {key.replace('/', ', ')}, history {x.get('history')}{tool}{scale}"),
                          Value(t["p50"], x), Value(t["p95"], x), Value(t["max"], x)])
     if not rows:
         return [], []

@@ -205,7 +205,9 @@ class StatsPoller(threading.Thread):
         split = stats.get("memory_split")
         s = {"t_s": round(time.perf_counter() - self.t0, 3), "workload": self.workload,
              "memory_split": {k: v for k, v in split.items() if _number(v)} if isinstance(split, dict) else None,
-             "memory": stats.get("memory"), "state_cache": stats.get("state_cache")}
+             "memory": stats.get("memory"), "state_cache": stats.get("state_cache"),
+             "idle_reprefill": stats.get("idle_reprefill") and {**stats["idle_reprefill"],
+                                                                **stats["sessions"].get("idle", {})}}
         self.samples.append(s)
         return s
 
@@ -575,6 +577,8 @@ def summary_line(doc: dict, out: str | Path) -> dict:
     errors += sum(i["status"] == "error" for i in doc["modes"].values())
     return {"bench": "agent", "out": str(out), **doc["commit"], "machine": doc["machine"], "time": doc["started"],
             "model": s["model"] or "default", "history": s.get("history", "rewritten"), "elapsed_s": doc["elapsed_s"],
+            "tool_time_s": s.get("tool_time_s", 0.0), "scale": s.get("scale"),
+            "idle_reprefill": ((doc["modes"].get("reprefill") or {}).get("final_stats") or {}).get("idle_reprefill"),
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)
                                                          for q in ("p50", "p95", "max")}

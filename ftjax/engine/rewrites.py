@@ -126,7 +126,7 @@ class Conversation:
     first_seen: list[int]  # the request number at which each message index first appeared
     requests: int = 1
     rule: Rule | None = None
-    added_tools: int = 1  # tool outputs the last request added (the next is assumed to add as many)
+    added_tools: int = 1  # tool outputs the next request is assumed to add (as many as the last, at least 1)
     scores: dict = field(default_factory=lambda: {"newer": [0, 0], "age": [0, 0]})  # tool rule: [right, tried]
     candidates: dict = field(default_factory=dict)  # by tool rule: the predicted beginning of the next request
     predicted: list[dict] | None = None  # the prediction given out (the best-scoring rule's)
@@ -177,7 +177,8 @@ class RewriteTracker:
                         old.reasoning_age if seen.reasoning_age is None else seen.reasoning_age)  # quiet turns keep it
             if rule != conv.rule:  # something new was learned: its confidence starts afresh
                 conv.rule, conv.scores = rule, {"newer": [0, 0], "age": [0, 0]}
-            conv.added_tools = sum(m.get("role") == "tool" for m in messages[len(before):])
+            # a turn without tool output (a user message) is usually followed by one that has one
+            conv.added_tools = max(1, sum(m.get("role") == "tool" for m in messages[len(before):]))
             conv.first_seen += [conv.requests] * (len(messages) - len(before))
             conv.messages, conv.requests = copy.deepcopy(messages), conv.requests + 1
         self._conversations[key] = conv
