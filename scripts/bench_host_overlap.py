@@ -14,7 +14,10 @@ what `load(overlap_host=True)` does). Ratios to max(host, device): pair_over_max
 goal: <= 1.15), blocking_over_max and serial_over_max (~ (host + device) / max). And
 `corun`: both halves at once with no step around them (the host kernel natively on a
 Python thread, the device program on another): corun_over_max is what sharing this
-machine costs by itself, pair_over_corun how close the pair comes to it.
+machine costs by itself, pair_over_corun how close the pair comes to it. --pin-cores puts
+XLA's threads (this one, which runs thunks inline, and its Eigen workers) on one core and
+every other thread on the rest: without it XLA's Eigen workers spin on both cores and
+take the host kernel's.
 
 On the CPU backend the device half is XLA on this machine's cores: XLA_FLAGS (set here
 unless given) keep XLA's dots to one thread (`--xla_cpu_multi_thread_eigen=false`, and
@@ -32,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,7 +64,24 @@ def median_s(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def corun_s(ex: HostExecutor, device, host_args, m, repeats: int) -> float:
+def pin_cores() -> dict:
+    """The device half's threads (this one, which runs XLA's thunks inline, and XLA's
+    Eigen workers) on the first core this process may use, every other thread (the host
+    kernel's workers and the start / finish runner) on the rest: the split a GPU and the
+    CPU would have. Call after the host executor's threads exist. -> the split."""
+    cores = sorted(os.sched_getaffinity(0))
+    device_cores, host_cores = set(cores[:1]), set(cores[1:]) or set(cores)
+    main, placed = threading.get_native_id(), {"device": 0, "host": 0}
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        tid = int(task.name)
+        name = (task / "comm").read_text().strip()
+        device = tid == main or name.startswith("tf_XLA")
+        os.sched_setaffinity(tid, device_cores if device else host_cores)
+        placed["device" if device else "host"] += 1
+    return {"device_cores": sorted(device_cores), "host_cores": sorted(host_cores), "threads": placed}
+
+
+def corun_s(ex: HostExecutor, device, host_args, m, repeats: int, host_cores: list[int] | None = None) -> float:
     """Median wall time of the two halves run at once outside any step: the host kernel
     called natively on a Python thread (no JAX), the device program on this one. This
     is what the machine allows when both halves share it (cores, memory bandwidth,
@@ -70,13 +91,19 @@ def corun_s(ex: HostExecutor, device, host_args, m, repeats: int) -> float:
     jax.block_until_ready(device(m))
     times = []
     for _ in range(repeats):
-        t = threading.Thread(target=ex.expert_ffn_numpy, args=host_args)
+        t = threading.Thread(target=_on_cores, args=(host_cores, ex.expert_ffn_numpy, *host_args))
         t0 = time.perf_counter()
         t.start()
         jax.block_until_ready(device(m))
         t.join()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _on_cores(cores: list[int] | None, fn, *args):
+    if cores:
+        os.sched_setaffinity(0, set(cores))  # this thread only
+    return fn(*args)
 
 
 def programs(ex: HostExecutor, matmuls: int):
@@ -119,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-dim", type=int, default=384)
     ap.add_argument("--device-matmuls", type=int, default=0, help="0: as many as make device ~ host")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="XLA's threads on one core, the host kernel's on the others (sched_setaffinity)")
     add_allow_dirty_argument(ap)
     a = ap.parse_args(argv)
     check_clean_or_exit(a.allow_dirty)
@@ -132,6 +161,10 @@ def main(argv=None) -> int:
     w = np.full((a.tokens, 2), 0.5, np.float32)
     m = jnp.asarray(rng.standard_normal((a.device_dim, a.device_dim)) / np.sqrt(a.device_dim), jnp.float32)
 
+    pinned = None
+    if a.pin_cores:  # the host executor's threads exist once its first call ran
+        jax.block_until_ready(programs(ex, 0)[0](x, ids, w))
+        pinned = pin_cores()
     host_s = median_s(programs(ex, 0)[0], (x, ids, w), a.repeats)
     matmuls = a.device_matmuls
     if matmuls == 0:  # one matmul's time, then as many as the host half takes
@@ -142,12 +175,12 @@ def main(argv=None) -> int:
     serial_s = median_s(serial, (x, ids, w, m), a.repeats)
     blocking_s = median_s(blocking, (x, ids, w, m), a.repeats)
     pair_s = median_s(pair, (x, ids, w, m), a.repeats)
-    both_s = corun_s(ex, device, (x, 0, ids, w), m, a.repeats)
+    both_s = corun_s(ex, device, (x, 0, ids, w), m, a.repeats, pinned and pinned["host_cores"])
     y_pair, y_block = pair(x, ids, w, m)[0], blocking(x, ids, w, m)[0]
     longest = max(host_s, device_s)
     line = {"bench": "host_overlap", "tokens": a.tokens, "experts": E, "d_model": D, "d_ff": F,
             "host_threads": a.host_threads, "device_dim": a.device_dim, "device_matmuls": matmuls,
-            "repeats": a.repeats, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "repeats": a.repeats, "xla_flags": os.environ.get("XLA_FLAGS", ""), "pinned": pinned,
             "host_ms": round(host_s * 1e3, 3), "device_ms": round(device_s * 1e3, 3),
             "serial_ms": round(serial_s * 1e3, 3), "blocking_ms": round(blocking_s * 1e3, 3),
             "pair_ms": round(pair_s * 1e3, 3), "pair_over_max": round(pair_s / longest, 3),
