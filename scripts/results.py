@@ -549,7 +549,8 @@ def overlap_tables(run: Run):
         longest = Value(max(x.get("host_ms"), x.get("device_ms")), x)
         pair, serial = Value(x.get("pair_ms"), x), Value(x.get("serial_ms"), x)
         rows.append([Text(f"{x.get('tokens')} tokens x {x.get('experts')} experts ({x.get('d_model')} x {x.get('d_ff')}, "
-                          f"{x.get('host_threads')} host thread); {x.get('device_matmuls')} matmuls"),
+                          f"{x.get('host_threads')} host thread); {x.get('device_matmuls')} matmuls"
+                          + ("; XLA and host threads pinned to their own cores" if x.get("pinned") else "")),
                      Value(x.get("host_ms"), x), Value(x.get("device_ms"), x), serial, Value(x.get("blocking_ms"), x), pair,
                      Ratio(pair, longest), Ratio(serial, longest)]
                     + ([Value(x.get("corun_ms"), x), Ratio(pair, Value(x.get("corun_ms"), x))] if "corun_ms" in x.data
