@@ -44,14 +44,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_agent_parser(sub) -> None:
     from ftjax.bench.agent import MODES
-    from ftjax.data.agent_transcripts import names
+    from ftjax.data.agent_transcripts import all_names, names
 
     a = sub.add_parser("agent", help="replay agent transcripts against ftjax serve: TTFT p50/p95/max per "
                                      "state-cache mode")
     a.add_argument("--out", required=True, help="output folder (created)")
     a.add_argument("--model", default=None, help="model folder for serve (default: embedded model)")
     a.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="server --state-cache modes")
-    a.add_argument("--workloads", nargs="+", choices=names(), default=names(), help="transcripts to replay")
+    a.add_argument("--workloads", nargs="+", choices=all_names(), default=names(),
+                   help="transcripts to replay (coding-loop: a long session, for a longer --max-seq-len)")
     a.add_argument("--turns", type=int, default=None, help="replay at most N requests per workload")
     a.add_argument("--scale", type=float, default=None,
                    help="transcript size multiplier (default 1: fits the embedded model's 2048-token context)")

@@ -254,6 +254,35 @@ def coding(scale: float = 1.0) -> Workload:
                     trim_after=2, trim_lines=2, echo_of=1, echo_at=6)
 
 
+def coding_loop(scale: float = 1.0, cycles: int = 14) -> Workload:
+    """A long coding session: one task, then `cycles` rounds of read a module, edit it,
+    run its tests (3 tool steps each: 43 requests at 14 cycles). Too long for the embedded
+    model's 2,048 tokens unless old tool outputs are elided; meant for
+    `keep_last_tool_outputs(k)` on the embedded weights at a longer declared context
+    (`ftjax.bench.models.default_model_with_context`), where the conversation runs
+    for many turns after its rewrite rule can be learned. Not in `names()` (the default
+    replay set): `build("coding-loop")`."""
+    rng = random.Random(3)
+    s = _Script("loop")
+    s.user("Every parser module under src/timeparse/ rounds instead of truncating. Go through them one by one: "
+           "read each, fix it, and run its tests before moving on.")
+    for c in range(cycles):
+        module, tests = f"src/timeparse/unit_{c:02d}.py", f"tests/test_unit_{c:02d}.py"
+        if c:
+            s.results(_log(rng, _n(8, scale), failed=False, verbose=False))
+        s.reply(f"Next module: unit_{c:02d}. Read it before editing.",
+                calls=[("read_file", {"path": module, "max_lines": 200})])
+        s.results(_code(_n(5 + c % 3, scale), bug=True))
+        s.reply(f"unit_{c:02d} subtracts 1 from the product too. Remove it with an exact edit.",
+                calls=[("edit_file", {"path": module, "old": "] - 1", "new": "]"})])
+        s.results(f"Applied 1 edit to {module}.")
+        s.reply(f"Run the tests of unit_{c:02d}.", calls=[("run_tests", {"target": tests, "verbose": c % 2 == 0})])
+    s.results(_log(rng, _n(8, scale), failed=False, verbose=False))
+    s.reply("Every module is fixed.", content=f"Fixed the off-by-one in all {cycles} parser modules; tests pass.")
+    return Workload("coding-loop", "openai", CODING_SYSTEM, CODING_TOOLS, s.steps, reasoning="latest",
+                    trim_after=2, trim_lines=2, echo_of=1, echo_at=6)
+
+
 # ---- assistant: a tool-using support assistant with a long system prompt -----------------------
 
 POLICY = {
@@ -350,19 +379,24 @@ def assistant(scale: float = 1.0) -> Workload:
                     trim_after=2, trim_lines=2, echo_of=0, echo_at=6)
 
 
-BUILDERS = {"coding": coding, "assistant": assistant}
+BUILDERS = {"coding": coding, "assistant": assistant}  # the default replay set
+LONG = {"coding-loop": coding_loop}  # by name only: longer than the embedded model's context
 
 
 def names() -> list[str]:
     return list(BUILDERS)
 
 
+def all_names() -> list[str]:
+    return list(BUILDERS) + list(LONG)
+
+
 def build(name: str, scale: float = 1.0) -> Workload:
-    if name not in BUILDERS:
-        raise ValueError(f"unknown workload {name!r} (one of {', '.join(BUILDERS)})")
+    if name not in BUILDERS and name not in LONG:
+        raise ValueError(f"unknown workload {name!r} (one of {', '.join(all_names())})")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    return BUILDERS[name](scale)
+    return {**BUILDERS, **LONG}[name](scale)
 
 
 def workloads(scale: float = 1.0) -> dict[str, list[list[dict]]]:
