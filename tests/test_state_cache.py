@@ -244,3 +244,26 @@ def test_server_reports_cached_tokens_and_resumes_after_restart(default_model, t
             m = stream.get_final_message()
         assert (m.usage.cache_read_input_tokens, m.usage.input_tokens) == (len(ids2), 0)
         assert m.content[0].text == want
+
+
+@pytest.mark.parametrize("family", ["default_model", "hybrid_model"])
+def test_the_newest_state_is_restored_whole_with_the_path_s_tokens(request, family):
+    """A conversation snapshotted turn after turn (a deep path): the next request is
+    restored from the newest snapshot's whole state (one copy), and continues exactly as
+    the path's segments pasted together would."""
+    model = request.getfixturevalue(family)
+    rng = np.random.RandomState(7)
+    ids = rng.randint(0, model.config.vocab_size, 120).tolist()
+    cache = StateCache(model, "prefix", 1 << 30, 0)
+    s = model.session()
+    for end in range(20, 121, 20):  # six turns: a path of six nodes
+        s.append(ids[len(s.ids):end])
+        cache.insert(s)
+    s.close()
+    asked = ids + [5, 6, 7]
+    hot, reused = cache.restore(asked)
+    assert reused == 120 and cache.hit_kinds["newest"] == 1
+    cache._hot = None  # the same request from the path's segments
+    pasted, reused_path = cache.restore(asked)
+    assert reused_path == 120 and cache.hit_kinds["newest"] == 1
+    np.testing.assert_allclose(hot.append([5, 6, 7]), pasted.append([5, 6, 7]), rtol=1e-5, atol=1e-5)

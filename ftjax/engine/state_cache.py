@@ -36,6 +36,10 @@ that lands on host or disk nodes brings their segments back to the device. Using
 node touches it and then its ancestors, so an ancestor is never older than its
 descendants; only leaves are dropped (a child's segment needs its ancestors').
 
+The newest snapshot is also kept whole (one per cache, device memory, counted in the
+device tier's budget): a request that continues it is restored with one copy instead
+of one paste per node of its path, which on a long agent session is dozens of nodes.
+
 Persistence. With `disk_dir`, `close()` writes every device and host node to disk,
 and a new cache on the same folder and model (same fingerprint) rebuilds the tree:
 a restarted server resumes its sessions.
@@ -63,7 +67,7 @@ from ftjax.engine import faults
 from ftjax.engine.memory import DeviceMemoryError, tree_bytes
 from ftjax.engine.session import Snapshot
 from ftjax.engine.shapes import MIN_CAPACITY, bucket
-from ftjax.models.common import put_segment, take_segment
+from ftjax.models.common import put_segment, resize_state, take_segment
 from ftjax.models.layers import kind_class
 
 if TYPE_CHECKING:
@@ -102,6 +106,14 @@ def boundary_ends(ids: Sequence[int], patterns: list[tuple[int, ...]]) -> list[i
         starts = np.flatnonzero(arr[: arr.size - n + 1] == pat[0]) if arr.size >= n else []
         ends.update(int(s) + n for s in starts if tuple(arr[s:s + n].tolist()) == pat)
     return sorted(ends)
+
+
+@dataclass
+class _Hot:
+    ids: tuple[int, ...]
+    state: tuple  # batch 1, whole (every layer's leaves at their capacity)
+    logits: object  # [V] after the last id
+    nbytes: int
 
 
 @dataclass(eq=False)
@@ -160,6 +172,7 @@ class StateCache:
         self.counters = {k: 0 for k in ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled", "inserts",
                                         "to_host", "to_disk", "dropped", "from_host", "from_disk", "disk_errors")}
         self.hit_kinds: collections.Counter = collections.Counter()  # restores by the node they ended on
+        self._hot: _Hot | None = None  # the newest snapshot's whole state (`_keep_hot`)
         self.memory = model.memory  # elastic device budget: the device tier counts as states
         if self.memory is not None:
             self.memory.register(self)
@@ -238,7 +251,7 @@ class StateCache:
         return sum(n.nbytes for n in self._nodes() if n.tier == tier)
 
     def device_state_bytes(self) -> int:
-        return self.bytes("device")
+        return self.bytes("device") + (self._hot.nbytes if self._hot is not None else 0)
 
     def _room_on_device(self, nbytes: int) -> bool:
         """Under a device-memory budget, make the expert cache yield `nbytes` for the
@@ -269,6 +282,9 @@ class StateCache:
         (when the prefix is shorter than ids, the session's logits come from that).
         `capacity`: the restored state's size (default: the next power of two)."""
         path, depth = self._reuse(ids)
+        hot = self._hot
+        if hot is not None and depth <= len(hot.ids) <= len(ids) and tuple(ids[:len(hot.ids)]) == hot.ids:
+            return self._restore_hot(hot, ids, path, capacity)
         for n in path:  # disk -> host -> device (host-tier segments stay there without device room)
             if n.tier == "disk":
                 try:
@@ -305,6 +321,36 @@ class StateCache:
         self.counters["tokens_prefilled"] += len(ids) - depth
         self._enforce()
         return session, depth
+
+    def _restore_hot(self, hot: _Hot, ids: Sequence[int], path: list[_Node], capacity: int | None):
+        """`restore` from the newest snapshot's whole state: one copy, however many
+        nodes its path has."""
+        m = self.model
+        cap = capacity or min(m.max_seq_len, bucket(len(hot.ids) + 1, MIN_CAPACITY))
+        state = resize_state(m.config, jax.tree.map(jax.numpy.copy, hot.state), cap)
+        session = m.session()
+        session._adopt(state, list(hot.ids), hot.logits, cap)
+        if path:
+            self._touch(path[-1])
+        self.counters["lookups"] += 1
+        self.counters["hits"] += 1
+        self.hit_kinds["newest"] += 1
+        self.counters["tokens_reused"] += len(hot.ids)
+        self.counters["tokens_prefilled"] += len(ids) - len(hot.ids)
+        return session, len(hot.ids)
+
+    def _keep_hot(self, ids: Sequence[int], state: tuple, logits) -> None:
+        """Keep a copy of the newest snapshot's whole state (one per cache). Restoring a
+        node pastes one segment per node on its path, and a long agent session's path is
+        dozens of nodes; the conversation that just ran is the likeliest to come back
+        (its next turn, or its idle re-prefill), and this restores it with one copy.
+        Skipped when it does not fit the device tier's budget or the device memory."""
+        self._hot = None  # the previous one goes first
+        nbytes = tree_bytes(state) + tree_bytes(logits)
+        if nbytes > self.budget["device"] or not self._room_on_device(nbytes):
+            return
+        self._hot = _Hot(tuple(int(t) for t in ids), jax.tree.map(jax.numpy.copy, state),
+                         jax.numpy.array(logits), nbytes)
 
     def prefill(self, ids: Sequence[int]) -> tuple[Session, int]:
         """`restore`, then prefill the rest of ids, taking a snapshot at every boundary and
@@ -359,6 +405,7 @@ class StateCache:
                 parent.logits = jax.numpy.array(logits) if parent.tier == "device" else np.asarray(logits)
                 parent.nbytes += tree_bytes(parent.logits)
             self._touch(parent)
+            self._keep_hot(ids, state, logits)
             return False
         seg = take_segment(self.model.config, state, jax.numpy.int32(parent.depth), size=bucket(len(ids) - parent.depth))
         node = _Node(parent, tuple(ids[parent.depth:]), len(ids), kind, segment=seg, logits=jax.numpy.array(logits),
@@ -370,6 +417,7 @@ class StateCache:
         self._touch(node)
         self.counters["inserts"] += 1
         self._enforce()
+        self._keep_hot(ids, state, logits)
         return True
 
     def _split(self, child: _Node, k: int) -> _Node:
