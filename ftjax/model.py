@@ -248,7 +248,7 @@ class Model:
         `engine.memory`); the most recently used residents are carried over and the old
         buffer is freed at once. The steps compile once per capacity."""
         old = self._xstate["cache"]
-        self._xstate = jax.device_put(resize_cache(self._xstate, capacity), self._placement.replicated())
+        self._xstate = jax.device_put(resize_cache(self._xstate, capacity), self._placement.per_device())
         jax.block_until_ready(self._xstate["cache"])
         for part in jax.tree.leaves(old):
             part.delete()  # nothing else holds the old buffer: its bytes go back now

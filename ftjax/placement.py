@@ -43,10 +43,6 @@ class Placement:
         """Devices the experts are split over (P)."""
         return 1 if self.mesh is None else int(self.mesh.size)
 
-    @property
-    def devices(self) -> list:
-        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-
     def replicated(self, memory_kind: str = "device") -> jax.sharding.Sharding:
         """Every device holds the whole array."""
         if self.mesh is None:
@@ -64,7 +60,8 @@ class Placement:
         return np.arange(num_experts) % self.size
 
     def describe(self) -> list[str]:
-        return [str(d) for d in self.devices]
+        """The devices, in axis order, by name."""
+        return [str(d) for d in ([jax.devices()[0]] if self.mesh is None else self.mesh.devices.flat)]
 
 
 def _kind(memory_kind: str) -> str | None:

@@ -243,11 +243,17 @@ class Scheduler:
         """End every queued and running job with `reason` (a shutdown past its deadline).
         Takes the step lock: returns once the engine thread is between steps."""
         with self.lock:
-            with self._cv:
-                queued, self._queue = list(self._queue), collections.deque()
-            for job in queued:
-                self._finish(job, reason)
-            self._fail_batch(reason, None, prefill=True)
+            self._fail_all(reason, None)
+
+    def _fail_all(self, reason: str, error: Exception | None) -> None:
+        """End every queued, prefilling and decoding job with `reason` (on the engine
+        thread, or holding the step lock)."""
+        with self._cv:
+            queued, self._queue = list(self._queue), collections.deque()
+        for job in queued:
+            job.error = error
+            self._finish(job, reason)
+        self._fail_batch(reason, error, prefill=True)
 
     def pending(self) -> int:
         """Jobs queued, prefilling or decoding."""
@@ -337,11 +343,7 @@ class Scheduler:
         e = distributed.step_error(e)
         if isinstance(e, distributed.PeerLost):
             log.error("%s step failed: %s", where, e)
-            self._fail_batch(f"error: PeerLost: {e}", e, prefill=True, rows=True)
-            for job in list(self._queue):
-                job.error = e
-                self._finish(job, f"error: PeerLost: {e}")
-            self._queue.clear()
+            self._fail_all(f"error: PeerLost: {e}", e)
             self.degraded = str(e)
             return
         reason = f"error: {type(e).__name__}: {e}"

@@ -36,8 +36,8 @@ that lands on host or disk nodes brings their segments back to the device. Using
 node touches it and then its ancestors, so an ancestor is never older than its
 descendants; only leaves are dropped (a child's segment needs its ancestors').
 
-The newest snapshot is also kept whole (one per cache, device memory, counted in the
-device tier's budget): a request that continues it is restored with one copy instead
+The newest snapshot (not a block boundary inside a prompt) is also kept whole (one per
+cache, device memory, counted in the device tier's budget): a request that continues it is restored with one copy instead
 of one paste per node of its path, which on a long agent session is dozens of nodes.
 
 Persistence. With `disk_dir`, `close()` writes every device and host node to disk,
@@ -339,12 +339,16 @@ class StateCache:
         self.counters["tokens_prefilled"] += len(ids) - len(hot.ids)
         return session, len(hot.ids)
 
-    def _keep_hot(self, ids: Sequence[int], state: tuple, logits) -> None:
+    def _keep_hot(self, ids: Sequence[int], state: tuple, logits, kind: str) -> None:
         """Keep a copy of the newest snapshot's whole state (one per cache). Restoring a
         node pastes one segment per node on its path, and a long agent session's path is
         dozens of nodes; the conversation that just ran is the likeliest to come back
         (its next turn, or its idle re-prefill), and this restores it with one copy.
-        Skipped when it does not fit the device tier's budget or the device memory."""
+        Not for a block boundary inside a prompt (the prompt's own end follows in the
+        same prefill), nor again for the ids it holds; skipped when it does not fit the
+        device tier's budget or the device memory."""
+        if kind == "boundary" or (self._hot is not None and self._hot.ids == tuple(ids)):
+            return
         self._hot = None  # the previous one goes first
         nbytes = tree_bytes(state) + tree_bytes(logits)
         if nbytes > self.budget["device"] or not self._room_on_device(nbytes):
@@ -405,7 +409,7 @@ class StateCache:
                 parent.logits = jax.numpy.array(logits) if parent.tier == "device" else np.asarray(logits)
                 parent.nbytes += tree_bytes(parent.logits)
             self._touch(parent)
-            self._keep_hot(ids, state, logits)
+            self._keep_hot(ids, state, logits, kind)
             return False
         seg = take_segment(self.model.config, state, jax.numpy.int32(parent.depth), size=bucket(len(ids) - parent.depth))
         node = _Node(parent, tuple(ids[parent.depth:]), len(ids), kind, segment=seg, logits=jax.numpy.array(logits),
@@ -417,7 +421,7 @@ class StateCache:
         self._touch(node)
         self.counters["inserts"] += 1
         self._enforce()
-        self._keep_hot(ids, state, logits)
+        self._keep_hot(ids, state, logits, kind)
         return True
 
     def _split(self, child: _Node, k: int) -> _Node:

@@ -46,8 +46,7 @@ class Timing:
 @dataclass
 class Telemetry:
     keep_records: int | None = DEFAULT_KEEP_RECORDS
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(5, np.int64))  # by code
-    by_expert: np.ndarray | None = None  # [5, E] by code and expert (summed over layers); None before a step
+    by_expert: np.ndarray | None = None  # [5, E] counts by code and expert (summed over layers); None before a step
     timing: Timing = field(default_factory=Timing)
     step: int = 0
     dropped: int = 0  # records that fell out of the ring
@@ -78,8 +77,7 @@ class Telemetry:
                 self.failed_steps += 1
                 continue
             codes = np.asarray(codes)
-            self.counts += np.bincount(codes.ravel().astype(np.int64), minlength=5)[:5]
-            per_expert = np.stack([np.sum(codes == c, axis=0) for c in range(5)])  # [5, E]
+            per_expert = np.stack([np.sum(codes == c, axis=0, dtype=np.int64) for c in range(5)])  # [5, E]
             self.by_expert = per_expert if self.by_expert is None else self.by_expert + per_expert
             if self.keep_records != 0:
                 if self._ring.maxlen is not None and len(self._ring) == self._ring.maxlen:
@@ -94,8 +92,9 @@ class Telemetry:
         return list(self._ring)
 
     def totals(self) -> np.ndarray:
-        self.fold()
-        return self.counts
+        """[5] counts by code."""
+        by_expert = self.totals_by_expert()
+        return by_expert.sum(axis=1) if by_expert is not None else np.zeros(5, np.int64)
 
     def totals_by_expert(self) -> np.ndarray | None:
         """[5, E] counts by code and expert (None before any step)."""
@@ -105,7 +104,6 @@ class Telemetry:
     def reset(self) -> None:
         self._pending.clear()
         self._ring.clear()
-        self.counts = np.zeros(5, np.int64)
         self.by_expert = None
         self.timing = Timing()
         self.step = self.dropped = self.failed_steps = 0

@@ -47,9 +47,9 @@ class ExpertParallel:
             raise ValueError("the host start / finish pair is not available with several devices yet")
         self.local, self.placement = local, placement
         self.size = placement.size
+        # what the model and the steps read off an executor
         self.policy, self.num_layers, self.num_experts = local.policy, local.num_layers, local.num_experts
-        self.slots, self.host_pair, self.swiglu_limit = local.slots, None, local.swiglu_limit
-        self.weight_format, self.fmt, self.q_of_misses = local.weight_format, local.fmt, local.q_of_misses
+        self.slots, self.host_pair = local.slots, None
         owner = placement.owner(local.num_experts)
         if local.slots and local.policy.initial != "empty":
             ranked = static_residents(local.policy, local.slots * self.size, local.num_layers, local.num_experts,
