@@ -144,6 +144,23 @@ def test_scale_and_bad_names():
         at.build("coding", 0)
 
 
+@pytest.mark.parametrize("name", at.names())
+def test_concurrent_sessions_differ_only_in_their_system_prompt(name):
+    w = at.build(name, 0.5)
+    assert w.for_session(0) is w
+    a, b = w.for_session(1).requests(), w.for_session(2).requests()
+    assert a[0][0]["content"] != b[0][0]["content"] != w.requests()[0][0]["content"]
+    for ra, rb, rw in zip(a, b, w.requests()):
+        assert ra[1:] == rb[1:] == rw[1:]
+
+
+def test_bench_agent_refuses_bad_session_counts():
+    from ftjax.bench import main_bench
+
+    for flag in ("--agents", "--max-batch"):
+        assert main_bench(["agent", "--out", "/nonexistent", flag, "0", "--allow-dirty"]) == 2
+
+
 def _rec(mode, ttft, prompt=100, cached=None, workload="coding", error=None):
     return {"mode": mode, "workload": workload, "ttft_s": ttft, "ttft_event": "output", "total_s": ttft,
             "prompt_tokens": prompt, "cached_tokens": cached, "error": error}

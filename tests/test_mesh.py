@@ -41,8 +41,8 @@ def check(lines: list[dict], expected: int) -> None:
 
 
 def test_mesh_matches_one_device(tmp_path):
-    """A standard family and a hybrid under `lru` (every family and policy: -m slow)."""
-    check(run_cases(tmp_path, "--families", "qwen3_moe,qwen3_next", "--policies", "lru"), 2 * 1 * 2)
+    """One family under `lru` (every family, hybrids included, and policy: -m slow)."""
+    check(run_cases(tmp_path, "--families", "qwen3_moe", "--policies", "lru"), 1 * 1 * 2)
 
 
 @pytest.mark.slow

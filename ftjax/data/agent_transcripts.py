@@ -106,6 +106,11 @@ class Workload:
         last k with a placeholder (and otherwise never rewrites)."""
         return dataclasses.replace(self.append_only(), elide_keep=k)
 
+    def for_session(self, k: int) -> "Workload":
+        """The same conversation as agent session k sends it: its own system prompt, so
+        concurrent sessions share no prefix beyond the chat template's."""
+        return dataclasses.replace(self, system=f"[session {k}] {self.system}") if k else self
+
     def append_only(self) -> "Workload":
         """The same conversation sent as an agent that never rewrites its history: every
         request extends the previous one (reasoning kept, nothing trimmed or re-echoed)."""
