@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ftjax
-from ftjax.bench.agent import memory_series, mode_support, summarize, verdicts
+from ftjax.bench.agent import idle_work, memory_series, mode_support, summarize, verdicts
 from ftjax.data import agent_transcripts as at
 from ftjax.serve import anthropic_api
 
@@ -176,7 +176,18 @@ def test_summary_and_verdicts():
     lines = verdicts([off, sem, summarize(recs, "coding", "prefix")], ["coding"], ["off", "prefix", "semantic"])
     assert lines[0].startswith("coding: prefix vs off: CANNOT TEST")
     assert lines[1] == "coding: semantic vs off: p50 2.50x lower, p95 2.08x lower"
-    assert verdicts([off], ["coding"], ["off"]) == ["only off was run: no comparison"]
+    assert verdicts([off], ["coding"], ["off"]) == ["only one mode (or no off) was run: no comparison"]
+    # the load comparison: idle re-prefill on (reprefill) against off (semantic), no cold run
+    rep = summarize([dict(r, mode="reprefill") for r in recs if r["mode"] == "off"], "coding", "reprefill")
+    assert verdicts([sem, rep], ["coding"], ["semantic", "reprefill"]) == [
+        "coding: reprefill vs semantic: p50 2.50x higher, p95 2.08x higher"]
+
+
+def test_idle_work_counts_only_between_the_samples():
+    before = {"idle_reprefill": {"admitted": 2, "done": 2, "preempted": 0, "dropped": 0, "tokens": 300}}
+    after = {"idle_reprefill": {"admitted": 5, "done": 3, "preempted": 1, "dropped": 1, "tokens": 900}}
+    assert idle_work(before, after) == {"admitted": 3, "done": 1, "preempted": 1, "dropped": 1, "tokens": 600}
+    assert idle_work(None, after) is None and idle_work({"idle_reprefill": None}, after) is None
 
 
 def test_memory_series_prefers_the_split():

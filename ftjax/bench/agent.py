@@ -349,6 +349,7 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         warm_clients(sdk, model_id)
         poller = StatsPoller(port, s.stats_interval_s, t0)
         poller.start()
+        before = poller.sample()
         for name in s.workloads:
             poller.workload = name
             failed: list[BaseException] = []
@@ -366,6 +367,7 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
                 t.join()
             if failed:
                 raise failed[0]
+        info["idle_work"] = idle_work(before, poller.sample())
     except Exception as e:
         info["status"], info["reason"] = "error", f"{type(e).__name__}: {e}"[:500]
         info["log_tail"] = server.log_tail() if server.log_path.exists() else None
@@ -379,6 +381,19 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         info["samples"] = poller.samples if poller is not None else []
         info["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return info, records
+
+
+IDLE_COUNTERS = ("admitted", "done", "preempted", "dropped", "tokens")
+
+
+def idle_work(before: dict | None, after: dict | None) -> dict | None:
+    """The idle re-prefill work the server did between two /v1/stats samples (the replay,
+    warm-up excluded): jobs admitted, finished, preempted, dropped and tokens prefilled;
+    None when idle re-prefill is off."""
+    a, b = (x and x.get("idle_reprefill") for x in (after, before))
+    if not a or not b:
+        return None
+    return {k: a[k] - b[k] for k in IDLE_COUNTERS}
 
 
 def replay(s: AgentSettings, mode: str, name: str, agent: int, sdk: dict, model_id: str, poller: StatsPoller,
@@ -427,23 +442,28 @@ def summarize(records: list[dict], workload: str, mode: str) -> dict:
 
 
 def verdicts(summary: list[dict], workloads, modes) -> list[str]:
-    """One line per workload and non-off mode: p50 / p95 ratios against off."""
+    """One line per workload and non-off mode: p50 / p95 ratios against off; and
+    reprefill against semantic (the same cache, idle re-prefill the only difference)
+    when both ran."""
     cell = {(r["workload"], r["mode"]): r for r in summary if r.get("ttft_p95_s")}
-    if not [m for m in modes if m != "off"]:
-        return ["only off was run: no comparison"]
+    pairs = [(m, "off") for m in modes if m != "off" and "off" in modes]
+    if "reprefill" in modes and "semantic" in modes:
+        pairs.append(("reprefill", "semantic"))
+    if not pairs:
+        return ["only one mode (or no off) was run: no comparison"]
     lines = []
     for w in workloads:
-        for m in [m for m in modes if m != "off"]:
-            base, new = cell.get((w, "off")), cell.get((w, m))
+        for m, ref in pairs:
+            base, new = cell.get((w, ref)), cell.get((w, m))
             if base is None or new is None:
-                missing = " and ".join(x for x, c in (("off", base), (m, new)) if c is None)
-                lines.append(f"{w}: {m} vs off: CANNOT TEST ({missing} not measured)")
+                missing = " and ".join(x for x, c in ((ref, base), (m, new)) if c is None)
+                lines.append(f"{w}: {m} vs {ref}: CANNOT TEST ({missing} not measured)")
                 continue
             parts = []
             for q in ("p50", "p95"):
                 ratio = base[f"ttft_{q}_s"] / new[f"ttft_{q}_s"]
                 parts.append(f"{q} {ratio:.2f}x lower" if ratio >= 1 else f"{q} {1 / ratio:.2f}x higher")
-            lines.append(f"{w}: {m} vs off: " + ", ".join(parts))
+            lines.append(f"{w}: {m} vs {ref}: " + ", ".join(parts))
     return lines
 
 
@@ -611,6 +631,7 @@ def summary_line(doc: dict, out: str | Path) -> dict:
             "max_batch": s.get("max_batch", 1),
             "idle_reprefill": ((doc["modes"].get("reprefill") or {}).get("final_stats") or {}).get("idle_reprefill"),
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
+            "idle_work": {m: i["idle_work"] for m, i in doc["modes"].items() if i.get("idle_work") is not None},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)
                                                          for q in ("p50", "p95", "max")}
                         for r in doc["summary"] if r.get("ok")},
