@@ -353,12 +353,16 @@ def run_mode(s: AgentSettings, mode: str, flag: bool, out: Path, log: Callable[[
         for name in s.workloads:
             poller.workload = name
             failed: list[BaseException] = []
+            first_end = threading.Lock()  # the first session to end samples the idle counters
+            start = poller.sample()
 
             def session(k: int) -> None:
                 try:
                     replay(s, mode, name, k, sdk, model_id, poller, records, log)
                 except BaseException as e:  # noqa: BLE001 - raised again below, in this thread
                     failed.append(e)
+                if s.agents > 1 and first_end.acquire(blocking=False):
+                    info.setdefault("idle_work_all_sessions", {})[name] = idle_work(start, poller.sample())
 
             sessions = [threading.Thread(target=session, args=(k,), name=f"agent-{name}-{k}") for k in range(s.agents)]
             for t in sessions:
@@ -632,6 +636,10 @@ def summary_line(doc: dict, out: str | Path) -> dict:
             "idle_reprefill": ((doc["modes"].get("reprefill") or {}).get("final_stats") or {}).get("idle_reprefill"),
             "modes": {m: i["status"] for m, i in doc["modes"].items()},
             "idle_work": {m: i["idle_work"] for m, i in doc["modes"].items() if i.get("idle_work") is not None},
+            # with agents > 1: the idle work done before the first session ended, every session
+            # still sending (the load case), per workload
+            "idle_work_all_sessions": {m: i["idle_work_all_sessions"] for m, i in doc["modes"].items()
+                                       if i.get("idle_work_all_sessions")},
             "ttft_ms": {f"{r['workload']}/{r['mode']}": {q: round(r[f"ttft_{q}_s"] * 1e3, 1)
                                                          for q in ("p50", "p95", "max")}
                         for r in doc["summary"] if r.get("ok")},
