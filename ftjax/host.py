@@ -80,6 +80,19 @@ class Isa(enum.Enum):
     AVX2 = _hk.ISA_AVX2  # AVX2 + FMA
     AVX512 = _hk.ISA_AVX512  # AVX-512 F
     AVX512_BF16 = _hk.ISA_AVX512_BF16  # + BF16 and VNNI: bf16 weights meet bf16-rounded activations (asked for only)
+    # AUTO's exact kernels, but bf16 expert prefill (>= AMX_MIN_TOKENS tokens a call) on AMX
+    # tiles with bf16-rounded activations (asked for only; numerics="fast" asks for it)
+    AMX_BF16 = _hk.ISA_AMX_BF16
+
+
+AMX_MIN_TOKENS = _hk.AMX_MIN_TOKENS
+
+
+def amx_bf16_status() -> str:
+    """'' when AMX-BF16 tiles run here (CPUID, the OS's tile state and Linux's permission
+    for this process, then a small product against a reference: host_kernels/amx.cc), else
+    the reason they do not."""
+    return _hk.amx_bf16_status()
 
 
 def has_avx2() -> bool:
@@ -87,10 +100,10 @@ def has_avx2() -> bool:
 
 
 def available_isas() -> list[Isa]:
-    """The explicit ISAs this CPU can run, narrowest first. AUTO picks the last of them but
-    AVX512_BF16 (`auto_isa`): that one rounds activations to bf16 and is used when asked for."""
+    """The explicit ISAs this CPU can run, narrowest first. AUTO picks the widest exact one
+    (`auto_isa`); AVX512_BF16 and AMX_BF16 round activations to bf16 and run when asked for."""
     supported = {Isa.SCALAR: True, Isa.AVX2: _hk.has_avx2(), Isa.AVX512: _hk.has_avx512(),
-                 Isa.AVX512_BF16: _hk.has_avx512_bf16()}
+                 Isa.AVX512_BF16: _hk.has_avx512_bf16(), Isa.AMX_BF16: amx_bf16_status() == ""}
     return [isa for isa, ok in supported.items() if ok]
 
 
@@ -100,12 +113,12 @@ ISA_ENV = "FTJAX_ISA"  # what AUTO means, e.g. FTJAX_ISA=avx512 keeps float32 ac
 def auto_isa() -> Isa:
     """The widest exact ISA of this CPU: float32 activations meet every float weight (the
     C++ kernels' own choice for AUTO)."""
-    return [i for i in available_isas() if i is not Isa.AVX512_BF16][-1]
+    return [i for i in available_isas() if i not in (Isa.AVX512_BF16, Isa.AMX_BF16)][-1]
 
 
 def resolve_isa(isa: Isa = Isa.AUTO) -> Isa:
     """The ISA a kernel call runs with: an explicit one as given; AUTO as $FTJAX_ISA names
-    it (scalar, avx2, avx512, avx512_bf16), else `auto_isa`."""
+    it (scalar, avx2, avx512, avx512_bf16, amx_bf16), else `auto_isa`."""
     if isa is not Isa.AUTO:
         return isa
     name = os.environ.get(ISA_ENV, "").strip()
@@ -121,10 +134,35 @@ def resolve_isa(isa: Isa = Isa.AUTO) -> Isa:
 
 
 def rounds_activations_to_bf16(isa: Isa = Isa.AUTO) -> bool:
-    """Whether the kernels under `isa` round the activations that meet bf16 weights to
-    bf16, as `vdpbf16ps` needs (AVX512_BF16; the other paths multiply float32 activations
-    by the widened weights)."""
+    """Whether the kernels under `isa` round every activation that meets bf16 weights to
+    bf16, as `vdpbf16ps` needs (AVX512_BF16; AMX_BF16 only in the expert calls of
+    `takes_amx_tiles`; the other paths multiply float32 activations by the widened weights)."""
     return resolve_isa(isa) is Isa.AVX512_BF16
+
+
+def expert_isa(numerics: str) -> Isa:
+    """The ISA a model's host experts run with: under numerics="fast", AMX_BF16 where its
+    self-check passed (bf16 expert prefill on tiles, activations rounded to bf16 as
+    llama.cpp does; decode stays exact); else AUTO. $FTJAX_ISA, when set, decides."""
+    if numerics == "fast" and not os.environ.get(ISA_ENV, "").strip() and amx_bf16_status() == "":
+        return Isa.AMX_BF16
+    return Isa.AUTO
+
+
+def isa_report() -> dict[str, str]:
+    """What the kernels run with on this machine, for benchmark lines and `ftjax profile`:
+    the exact ISA AUTO means, and the AMX self-check ("ok" or why not)."""
+    return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok"}
+
+
+AMX_ROW_MULTIPLE = 32  # d_model and d_ff of experts the tiles take (a tile pass: 32 rows, K in 32s)
+
+
+def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, bf16_experts: bool) -> bool:
+    """Whether an expert FFN call multiplies on AMX tiles (bf16-rounded activations): the
+    rule of host_kernels/expert_ffn.cc `takes_tiles`, for references and reports."""
+    return (resolve_isa(isa) is Isa.AMX_BF16 and bf16_experts and num_tokens >= AMX_MIN_TOKENS
+            and d_model % AMX_ROW_MULTIPLE == 0 and d_ff % AMX_ROW_MULTIPLE == 0)
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -538,11 +576,13 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
     def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
         if fmts and fmts[part].act_block:
             return fmts[part].act_numpy(v).astype(np.float64)
-        if np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa):
+        if np.asarray(parts[part]).dtype == np.uint16 and (tiles or rounds_activations_to_bf16(isa)):
             return round_to_bf16(v).astype(np.float64)
         return v
 
     d_ff = gate_up.shape[-2] // 2
+    bf16 = all(np.asarray(a).dtype == np.uint16 for a in parts.values())
+    tiles = takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, bf16)
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):

@@ -119,9 +119,12 @@ def cpu_flags() -> list[str]:
 
 
 def machine_info() -> dict:
-    """CPU model and ISA flags, cores, and the 1-minute load (benchmarks on a shared machine say so)."""
+    """CPU model and ISA flags, cores, the 1-minute load (benchmarks on a shared machine say
+    so), and the kernels' ISA paths (`host.isa_report`: AUTO's, the AMX self-check)."""
+    from ftjax.host import isa_report
+
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
-            "cores_used": len(os.sched_getaffinity(0)), "loadavg_1m": os.getloadavg()[0]}
+            "cores_used": len(os.sched_getaffinity(0)), "loadavg_1m": os.getloadavg()[0], "isa": isa_report()}
 
 
 def run_fields() -> dict:

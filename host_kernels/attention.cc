@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "blocks.h"
 
 #if defined(__x86_64__)
@@ -410,6 +411,9 @@ TaskFn select_task(Isa isa) {
 #if defined(__x86_64__)
   const bool avx512 = cpu_has_avx512(), avx2 = cpu_has_avx2_fma();
   switch (isa) {
+    case Isa::kAmxBf16:  // attention keeps the exact kernels
+      if (!amx_bf16_ok()) return nullptr;
+      [[fallthrough]];
     case Isa::kAuto: return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
     case Isa::kAvx512: return avx512 ? &task_avx512 : nullptr;
     case Isa::kAvx512Bf16: return cpu_has_avx512_bf16() ? &task_avx512 : nullptr;  // K / V stay f32 math

@@ -1,5 +1,6 @@
 #include "expert_ffn.h"
 
+#include "amx.h"
 #include "blocks.h"
 
 #include <algorithm>
@@ -158,10 +159,10 @@ void down_task(const Call& c, int64_t d0, int64_t d1) {
 
 // Phase-1 tasks: (unique expert, block of F rows of gate and the same rows of up).
 std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
-                                     int num_threads) {
+                                     int num_threads, int64_t multiple = 8) {
   const int64_t F = pool.d_ff;
-  const int64_t rows = task_rows(2 * row_bytes(pool.wtype, pool.d_model),
-                                 kGateUpTaskBytes, num_unique * F, num_threads);
+  const int64_t rows = round_up(task_rows(2 * row_bytes(pool.wtype, pool.d_model),
+                                          kGateUpTaskBytes, num_unique * F, num_threads), multiple);
   std::vector<GateUpTask> tasks;
   for (int64_t u = 0; u < num_unique; ++u)
     for (int64_t f = 0; f < F; f += rows) tasks.push_back({u, f, std::min(F, f + rows)});
@@ -172,6 +173,115 @@ std::vector<GateUpTask> plan_gate_up(const PoolView& pool, int64_t num_unique,
 int64_t plan_down_rows(const PoolView& pool, int num_threads) {
   return task_rows(row_bytes(pool.down_wtype, pool.d_ff), kDownTaskBytes, pool.d_model,
                    num_threads);
+}
+
+// ---- AMX-BF16 tiles (amx.h): a prefill call of bf16 experts under Isa::kAmxBf16 ----------
+
+// Each unique expert's pairs packed for the tiles: the activations of its tokens (x,
+// K = D) before phase 1, its SwiGLU outputs (h, K = F) before phase 2.
+int64_t packed_offsets(const Routing& r, int64_t K, std::vector<int64_t>* offset) {
+  offset->assign(r.experts.size() + 1, 0);
+  for (size_t u = 0; u < r.experts.size(); ++u)
+    (*offset)[u + 1] = (*offset)[u] + amx_packed_words(r.begin[u + 1] - r.begin[u], K);
+  return offset->back();
+}
+
+struct PackedPairs {
+  std::vector<int64_t> offset;  // [U + 1] word offset of each expert's token blocks
+  AlignedFloats storage;        // the words, on 64-byte boundaries
+
+  PackedPairs(const Routing& r, int64_t K) : storage(packed_offsets(r, K, &offset)) {}
+  uint32_t* of(size_t u) const { return reinterpret_cast<uint32_t*>(storage.data()) + offset[u]; }
+};
+
+void pack_expert(const Routing& r, size_t u, const float* rows, int64_t K, bool by_token, uint32_t* out) {
+  const int64_t p_begin = r.begin[u], n = r.begin[u + 1] - p_begin;
+  std::vector<const float*> vecs(n);
+  for (int64_t j = 0; j < n; ++j) vecs[j] = rows + (by_token ? r.token[p_begin + j] : p_begin + j) * K;
+  amx_pack(vecs.data(), n, K, out);
+}
+
+constexpr int64_t kAmxPass = 2 * kAmxRows;  // rows and tokens of one tile pass (amx_dots)
+
+// h[p, f] = silu(gate_f . x_t) * (up_f . x_t) as gate_up_task, for f in [f0, f1) (whole
+// tile rows), on the tiles.
+void gate_up_task_amx(const Call& c, const PackedPairs& x, const GateUpTask& task) {
+  const int64_t D = c.pool.d_model, F = c.pool.d_ff;
+  const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, D);
+  const char* gate = expert_base(c.pool.gate_up, c.pool.wtype, c, c.routing.experts[task.u], 2 * F, D);
+  const char* up = gate + F * row_bytes;
+  const int64_t p_begin = c.routing.begin[task.u], n = c.routing.begin[task.u + 1] - p_begin;
+  const int64_t blocks = ceil_div(n, kAmxRows), width = blocks * kAmxRows;
+  const float limit = c.pool.swiglu_limit;
+  thread_local std::vector<float> a, b;  // [rows, tokens] of gate and of up
+  a.resize(kAmxPass * width);
+  b.resize(kAmxPass * width);
+  AmxScope scope;
+  for (int64_t f0 = task.f0; f0 < task.f1; f0 += kAmxPass) {
+    const int64_t nf = std::min(kAmxPass, task.f1 - f0);
+    amx_dots(reinterpret_cast<const uint16_t*>(gate + f0 * row_bytes), row_bytes, nf, x.of(task.u), blocks, D,
+             a.data(), width);
+    amx_dots(reinterpret_cast<const uint16_t*>(up + f0 * row_bytes), row_bytes, nf, x.of(task.u), blocks, D,
+             b.data(), width);
+    for (int64_t j = 0; j < n; ++j) {
+      float* h = c.h.data() + (p_begin + j) * F + f0;
+      for (int64_t f = 0; f < nf; ++f)
+        h[f] = silu(std::min(a[f * width + j], limit)) * std::clamp(b[f * width + j], -limit, limit);
+    }
+  }
+}
+
+// y[:, d0:d1] as down_task (experts ascending), on the tiles.
+void down_task_amx(const Call& c, const PackedPairs& h, int64_t d0, int64_t d1) {
+  const int64_t D = c.pool.d_model, F = c.pool.d_ff;
+  const int64_t row_bytes = ftjax::row_bytes(c.pool.down_wtype, F);
+  float* y = c.batch.y;
+  for (int64_t t = 0; t < c.batch.num_tokens; ++t) std::fill(y + t * D + d0, y + t * D + d1, 0.f);
+  thread_local std::vector<float> out;  // [rows, tokens]
+  AmxScope scope;
+  for (size_t u = 0; u < c.routing.experts.size(); ++u) {
+    const char* down = expert_base(c.pool.down, c.pool.down_wtype, c, c.routing.experts[u], D, F);
+    const int64_t p_begin = c.routing.begin[u], n = c.routing.begin[u + 1] - p_begin;
+    const int64_t blocks = ceil_div(n, kAmxRows), width = blocks * kAmxRows;
+    out.resize(kAmxPass * width);
+    for (int64_t r0 = d0; r0 < d1; r0 += kAmxPass) {
+      const int64_t nr = std::min(kAmxPass, d1 - r0);
+      amx_dots(reinterpret_cast<const uint16_t*>(down + r0 * row_bytes), row_bytes, nr, h.of(u), blocks, F,
+               out.data(), width);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = p_begin + j;
+        float* y_t = y + c.routing.token[p] * D + r0;
+        const float w = c.routing.weight[p];
+        for (int64_t r = 0; r < nr; ++r) y_t[r] += w * out[r * width + j];
+      }
+    }
+  }
+}
+
+bool takes_tiles(const PoolView& pool, const TokenBatch& batch, Isa isa) {
+  return isa == Isa::kAmxBf16 && pool.wtype == WeightType::kBF16 && pool.down_wtype == WeightType::kBF16 &&
+         pool.d_model % kAmxPass == 0 && pool.d_ff % kAmxPass == 0 && batch.num_tokens >= kAmxMinTokens;
+}
+
+// Phase 1 in tasks of whole tile passes, packed x in, h out; h packed; phase 2.
+void expert_ffn_amx(Call& call, ThreadPool* threads, int num_threads) {
+  const PoolView& pool = call.pool;
+  const Routing& routing = call.routing;
+  const int64_t U = routing.experts.size();
+  PackedPairs x(routing, pool.d_model);
+  parallel_for(threads, U, [&](int64_t u) {
+    pack_expert(routing, u, call.batch.x, pool.d_model, true, x.of(u));
+  });
+  std::vector<GateUpTask> gate_up = plan_gate_up(pool, U, num_threads, kAmxPass);
+  parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task_amx(call, x, gate_up[i]); });
+  PackedPairs h(routing, pool.d_ff);
+  parallel_for(threads, U, [&](int64_t u) {
+    pack_expert(routing, u, call.h.data(), pool.d_ff, false, h.of(u));
+  });
+  const int64_t rows = round_up(plan_down_rows(pool, num_threads), kAmxPass);
+  parallel_for(threads, ceil_div(pool.d_model, rows), [&](int64_t i) {
+    down_task_amx(call, h, i * rows, std::min(pool.d_model, (i + 1) * rows));
+  });
 }
 
 }  // namespace
@@ -192,6 +302,13 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
+  if (takes_tiles(pool, batch, isa)) {
+    AlignedFloats h(routing.token.size() * pool.d_ff);
+    Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype), 0, layer,
+              batch.x, h, h.data()};
+    expert_ffn_amx(call, threads, num_threads);
+    return "";
+  }
   const bool h_converted = converts_activations(*kernels, pool.down_wtype);  // h converted after phase 1
   const int64_t num_pairs = routing.token.size();
   AlignedFloats h(num_pairs * pool.d_ff);

@@ -207,7 +207,10 @@ void quantise_act_q8(const float* x, int64_t n, ActQ8* out, bool simd);
 void quantise_act_q8k(const float* x, int64_t n, ActQ8K* out, bool simd);
 // kAuto: the widest exact one (AVX-512 F, then AVX2, then scalar). kAvx512Bf16 (only when
 // asked for): bf16 rows meet bf16-rounded activations in vdpbf16ps (kernels_avx512_bf16.cc).
-enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
+// kAmxBf16 (only when asked for, and where amx_bf16_ok()): kAuto's kernels, except that an
+// expert FFN call of bf16 experts with >= kAmxMinTokens tokens (prefill) multiplies on
+// AMX tiles with bf16-rounded activations (amx.h).
+enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmxBf16 = 5 };
 
 // Software prefetch distance of the SIMD kernels. Hardware prefetchers stop at 4 KiB
 // page boundaries, and a weight row (D or F elements) is about a page: with 1 KiB

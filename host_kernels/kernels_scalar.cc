@@ -3,6 +3,7 @@
 // it without reassociating), so this path is a usable fallback, not a toy.
 #include <cstring>
 
+#include "amx.h"
 #include "kernels.h"
 
 namespace ftjax {
@@ -89,6 +90,9 @@ const Kernels* select_kernels(Isa isa) {
       return avx512;
     case Isa::kAvx512Bf16:
       return avx512_bf16;
+    case Isa::kAmxBf16:  // the exact kernels; expert_ffn takes the tiles for prefill
+      if (!amx_bf16_ok()) return nullptr;
+      [[fallthrough]];
     case Isa::kAuto:
     default:
       return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();  // exact: AVX512_BF16 is asked for

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "attention.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
@@ -326,12 +327,16 @@ NB_MODULE(_host_kernels, m) {
   m.def("has_avx2", &cpu_has_avx2_fma);
   m.def("has_avx512", &cpu_has_avx512);
   m.def("has_avx512_bf16", &cpu_has_avx512_bf16);
+  m.def("amx_bf16_status", [] { return amx_bf16_status(); },
+        "'' when AMX-BF16 tiles run here and passed the self-check, else why not");
   m.def("hardware_cores", &hardware_cores);
   m.attr("ISA_AUTO") = (int)Isa::kAuto;
   m.attr("ISA_SCALAR") = (int)Isa::kScalar;
   m.attr("ISA_AVX2") = (int)Isa::kAvx2;
   m.attr("ISA_AVX512") = (int)Isa::kAvx512;
   m.attr("ISA_AVX512_BF16") = (int)Isa::kAvx512Bf16;
+  m.attr("ISA_AMX_BF16") = (int)Isa::kAmxBf16;
+  m.attr("AMX_MIN_TOKENS") = kAmxMinTokens;
   m.attr("DTYPE_F32") = (int)WeightType::kF32;
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;

@@ -124,8 +124,9 @@ def test_a_wrong_prediction_costs_idle_work_only(model):
 
 
 def test_idle_work_waits_for_requests_and_yields_to_them(model):
-    """While a request decodes, an idle prefill is not admitted; one in progress stops at
-    the next chunk when a request arrives (its chunks kept in the state cache)."""
+    """While a request decodes, and for IDLE_GRACE_S after, an idle prefill is not
+    admitted; one in progress stops at the next chunk when a request arrives (its chunks
+    kept in the state cache)."""
     from ftjax.engine.scheduler import Job, Scheduler
     from ftjax.engine.session import Sampling
 
@@ -144,7 +145,11 @@ def test_idle_work_waits_for_requests_and_yields_to_them(model):
         assert sch.stats()["idle"]["admitted"] == 0  # never while a request runs
     idle_ends = []
     sch._idle[-1].on_done = idle_ends.append
-    sch.step()  # nothing else to do: the idle prefill starts (one chunk)
+    sch.step()  # within the grace after the request: a next request may come at once
+    assert sch.stats()["idle"]["admitted"] == 0 and not sch.busy()
+    time.sleep(sch.idle_grace_s)
+    assert sch.busy()
+    sch.step()  # nothing else to do for the grace: the idle prefill starts (one chunk)
     assert sch.stats()["idle"]["admitted"] == 1 and sch.stats()["prefilling"] == 1
     second = Job(rng.randint(0, model.config.vocab_size, 20).astype(np.int32), 4, Sampling(), lambda t: False,
                  ends.append)

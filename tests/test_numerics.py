@@ -1,6 +1,7 @@
-"""numerics="auto" on the embedded default model (bf16 weights) stores K/V in bf16 ("fast");
-it must cost no quality: held-out perplexity within 0.5% of "exact" (f32 K/V) on every
-shipped text, and the same greedy tokens on the suite's prompts."""
+"""numerics="auto" on the embedded default model (bf16 weights) is "fast": K/V stored in
+bf16, and host experts prefilled on AMX tiles with bf16-rounded activations where the CPU
+has them. It must cost no quality: held-out perplexity within 0.5% of "exact" (f32 K/V,
+f32 activations) on every shipped text, and the same greedy tokens on the suite's prompts."""
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,16 @@ def test_auto_means_fast_for_bf16_weights_and_exact_for_f32(models, tmp_path):
         ftjax.load(numerics="approximate")
 
 
-def test_fast_keeps_perplexity_and_greedy_tokens(models):
-    fast, exact = models
+@pytest.fixture(scope="module")
+def host_models():
+    """The host policy: under "fast", expert prefill on AMX tiles with bf16-rounded
+    activations where the CPU has them (`host.expert_isa`), else the exact kernels."""
+    return ftjax.load(policy="host"), ftjax.load(policy="host", numerics="exact")
+
+
+@pytest.mark.parametrize("policy", ["device", "host"])
+def test_fast_keeps_perplexity_and_greedy_tokens(models, host_models, policy):
+    fast, exact = models if policy == "device" else host_models
     tok = fast.tokenizer
     for name in corpus.names():
         ids = tok.encode(corpus.split(name)[1][:6000])[:769]  # 3 windows of 256 predicted tokens

@@ -475,7 +475,7 @@ def test_device_ffn_matches_host_kernel(fmt):
     x = rng.standard_normal((3, d_model)).astype(np.float32)
     gate_up, down = pool.expert(0, 2)
     y = jax.jit(lambda g, d, x: swiglu(g, d, x, part_formats(fmt)))(gate_up, down, x)
-    float_acts = [i for i in available_isas() if not host.rounds_activations_to_bf16(i)][-1]  # as XLA: bf16 parts meet f32
+    float_acts = host.auto_isa()  # as XLA: bf16 parts meet f32 activations
     ref = HostExecutor(pool, threads=2, isa=float_acts).expert_ffn_numpy(x, 0, np.full((3, 1), 2, np.int32),
                                                                       np.ones((3, 1), np.float32))
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))

@@ -82,6 +82,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftjax.engine")
 IDLE_JOBS = 4  # idle prefills waiting at most (`Scheduler.submit_idle`): the newest win
+# Idle work starts only after this long with no request queued, prefilling or decoding:
+# under load an agent's next request follows its response within milliseconds, so rows
+# that free up between requests are not idle (measured: without it, 1 idle prefill a
+# 43-request load run slipped into such a gap and was preempted); a tool running for
+# seconds loses 50 ms of idle time.
+IDLE_GRACE_S = 0.05
 DEFAULT_MAX_QUEUE = 64
 
 
@@ -180,6 +186,8 @@ class Scheduler:
         self.eos = model.eos_ids
         self._queue: collections.deque[Job] = collections.deque()
         self._idle: collections.deque[Job] = collections.deque(maxlen=IDLE_JOBS)  # newest win
+        self.idle_grace_s = IDLE_GRACE_S
+        self._last_request_work = 0.0  # time.monotonic() of the last step with a request to serve
         self._cv = threading.Condition()
         self._prefill: _Prefill | None = None
         self._rows: list[_Row | None] = []  # [Bp]
@@ -271,11 +279,12 @@ class Scheduler:
 
     # ---- the engine thread -------------------------------------------------------------------
     def run(self, stop: threading.Event, idle_s: float = 0.25) -> None:
-        """Iterate until `stop` is set; sleep while there is nothing to do."""
+        """Iterate until `stop` is set; sleep while there is nothing to do (idle work
+        waiting out its grace: until the grace ends)."""
         while not stop.is_set():
             with self._cv:
                 if not self.busy():
-                    self._cv.wait(idle_s)
+                    self._cv.wait(min(idle_s, self._idle_wait()) if self._idle else idle_s)
                     continue
             with self.lock:
                 self.step()
@@ -300,14 +309,22 @@ class Scheduler:
         return self.memory.state_bytes(max(cap, self._cap), rows) - self.device_state_bytes()
 
     def busy(self) -> bool:
-        return bool(self._queue) or self._prefill is not None or any(self._rows) or bool(self._idle)
+        return bool(self._queue) or self._prefill is not None or any(self._rows) or (
+            bool(self._idle) and self._idle_wait() == 0)
+
+    def _idle_wait(self) -> float:
+        """Seconds until idle work may start (0: now): IDLE_GRACE_S after the last step
+        that had a request to serve."""
+        return max(0.0, self._last_request_work + self.idle_grace_s - time.monotonic())
 
     def step(self) -> None:
         """One iteration: end cancelled and expired jobs, one prefill chunk, one decode
         step. A failure ends the jobs it touched and leaves the scheduler serving."""
         self._drop_ended()
         self._preempt_idle()
-        if self._prefill is not None or self._queue or (self._idle and not any(self._rows)):
+        if self._queue or any(self._rows) or (self._prefill is not None and not self._prefill.job.idle):
+            self._last_request_work = time.monotonic()
+        if self._prefill is not None or self._queue or (self._idle and not any(self._rows) and not self._idle_wait()):
             try:
                 while self._advance_prefill() and self._queue:
                     pass  # jobs that need no prefill (continued sessions, whole-prompt cache hits) join together
@@ -416,7 +433,7 @@ class Scheduler:
                     if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
                         return False  # waits for running rows to leave (it fits alone: checked at submission)
                     self._queue.popleft()
-                elif self._idle and not live and not self._queue:  # nothing else to do: idle work
+                elif self._idle and not live and not self._queue and not self._idle_wait():  # idle work
                     job = self._idle.pop()  # the newest prediction first
                     if self.memory is not None and not self.memory.fits(self.need_bytes(job)):
                         self._end_idle(job, "dropped")

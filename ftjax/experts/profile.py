@@ -52,7 +52,7 @@ from ftjax.experts.executor import copy_expert
 from ftjax.experts.pool import HostExpertPool, canonical_dtype, to_bf16_bits
 from ftjax.experts.storage import BLOCK_FORMATS
 from ftjax.runinfo import cpu_model, git_commit
-from ftjax.host import HostExecutor, default_threads, pool_view, read_bandwidth_gbps
+from ftjax.host import HostExecutor, default_threads, isa_report, pool_view, read_bandwidth_gbps
 
 PROFILE_VERSION = 2  # 2: working set sized from the LLC, B_P in one program, keyed by threads and top-k
 DEFAULT_SHAPE = (2048, 768)  # [D, F] of Qwen3-30B-A3B experts
@@ -239,7 +239,8 @@ def summary_line(result: dict) -> str:
             f"ceiling {result['host_read_gbps']:.2f} GB/s, B_H / ceiling {result['b_h_over_read_ceiling']:.2f}; "
             f"{result['dtype']} [D, F] = {result['expert_shape']}, {result['threads']} threads, "
             f"top-{result['top_k']}, working set {result['working_set_bytes'] / 2**20:.0f} MiB "
-            f"(LLC {f'{llc / 2**20:.0f} MiB' if llc else 'unknown'})")
+            f"(LLC {f'{llc / 2**20:.0f} MiB' if llc else 'unknown'})"
+            + (f"; kernels: {result['isa']['auto']}, AMX-BF16 {result['isa']['amx_bf16']}" if "isa" in result else ""))
 
 
 # ---------------------------------------------------------------------------- measure
@@ -382,6 +383,7 @@ def measure(expert_shape: tuple[int, int] = DEFAULT_SHAPE, dtype="bfloat16",
         "transfer_experts_per_call": transfer.count,
         "dtype": dtype, "expert_shape": [d_model, d_ff], "expert_bytes": pool.expert_bytes,
         "threads": threads, "top_k": top_k, "machine": info, "machine_key": machine_key(info),
+        "isa": isa_report(),  # the kernels' paths here: AUTO's exact ISA, the AMX self-check ("ok" or why not)
         "commit": git_commit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     warning = cache_ratio_warning(result)

@@ -1,0 +1,64 @@
+// AMX-BF16 tile products: the expert FFN's prefill on Intel's matrix tiles.
+//
+// One TDPBF16PS multiplies a 16 x 32 bf16 tile A by a 16 x (16 pairs) bf16 tile B into a
+// 16 x 16 f32 tile C: C[m][n] += sum_k A[m][k] * B'[k][n], where B holds each column's
+// k values in consecutive pairs (B row r = the pairs (2r, 2r + 1) of every column).
+// Weights are A, read from the pool as stored: 16 rows of 32 bf16 (64 bytes) of the HF
+// [rows, K] layout (no second copy of the pool, no relayout at load). Activations are B: the tokens of one expert are rounded to bf16 and
+// packed once per call (`amx_pack`: per block of 16 tokens, per 32 values of K, one
+// 1 KiB tile: row r = (x[2r], x[2r + 1]) of each of the 16 tokens). C comes out as
+// [rows, tokens], the layout the expert FFN's other paths produce.
+//
+// Blocking: 32 weight rows x 32 tokens per pass (tiles 0-3 accumulate C, 4-5 hold A,
+// 6-7 hold B), the whole K in the pass, so C never leaves the tiles. When an expert has
+// many tokens, a pass's 32 weight rows are first copied tile by tile into a contiguous
+// scratch (in place, a tile's rows lie a row apart: 4 KiB for K = 2048, one L1 set, so
+// they evict each other), then meet every pair of token blocks.
+//
+// Availability (`amx_bf16_status`, checked once per process): CPUID names AMX-TILE and
+// AMX-BF16, XCR0 has the tile state enabled, Linux grants this process tile data
+// (arch_prctl ARCH_REQ_XCOMP_PERM), and a small product equals a scalar reference on
+// the same bf16-rounded inputs. Any failure is the reason string, and the callers keep
+// the exact kernels. Activations are rounded to bf16 (nearest even): this path runs only
+// when asked for (Isa::kAmxBf16; `numerics="fast"` asks for it for prefill).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ftjax {
+
+constexpr int64_t kAmxRows = 16;       // weight rows, tokens and k pairs per tile
+constexpr int64_t kAmxK = 32;          // K values per tile row (64 bytes of bf16)
+constexpr int64_t kAmxMinTokens = 16;  // calls with fewer tokens (decode) keep the exact kernels
+
+// "" when AMX-BF16 tiles run here and passed the self-check, else why not (the first
+// call checks; later calls return the same answer).
+const std::string& amx_bf16_status();
+inline bool amx_bf16_ok() { return amx_bf16_status().empty(); }
+
+// uint32 words of n tokens of K values packed: ceil(n / 16) token blocks of K / 32 tiles
+// of 16 x 16 words (K % 32 == 0).
+inline int64_t amx_packed_words(int64_t n, int64_t K) { return (n + kAmxRows - 1) / kAmxRows * K * kAmxRows / 2; }
+
+// vecs[j] (K floats) for j < n -> packed, rounded to bf16 (nearest even); the tokens
+// that pad the last block are zeros.
+void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
+
+// The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
+// TILERELEASE). Every amx_dots call runs inside one.
+class AmxScope {
+ public:
+  AmxScope();
+  ~AmxScope();
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
+
+// out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
+// j < 16 * blocks: rows are bf16 bits, row_bytes apart; packed holds `blocks` token
+// blocks of amx_pack over the same K (K % 32 == 0).
+void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
+              int64_t blocks, int64_t K, float* out, int64_t out_stride);
+
+}  // namespace ftjax
