@@ -320,8 +320,8 @@ def bench_model(args) -> None:
     ckpt_s = time.perf_counter() - t0
     # each load takes (and empties) its own params dict; arrays and pool are shared
     ftjax.model.load_checkpoint = lambda *a, **k: dataclasses.replace(ckpt, params=dict(ckpt.params))
-    for policy in args.policies:
-        kw = {}
+    for policy, numerics in [(p, n) for p in args.policies for n in args.numerics]:
+        kw = {"numerics": numerics}
         if policy not in ("device", "host"):
             kw["cache_slots"] = args.cache_slots
         if args.bandwidth:
@@ -343,7 +343,8 @@ def bench_model(args) -> None:
         cpu_ms = (cpu[-1] - cpu[0]) / (len(cpu) - 1) * 1e3  # process CPU time per token (all threads)
         st, g = m.stats(), m.last_generation
         results[policy] = statistics.median(ts)
-        emit("decode_geometry", **base, policy=policy, cache_slots=kw.get("cache_slots"),
+        emit("decode_geometry", **base, policy=policy, numerics=m.numerics, host_isa=st["host_isa"],
+             cache_slots=kw.get("cache_slots"),
              bandwidth_gbps=list(m.bandwidth) if m.bandwidth else None, load_s=round(load_s, 2),
              checkpoint_read_s=round(ckpt_s, 1), rss_gib=rss_gib(), peak_rss_gib=peak_rss_gib(),
              first_run_s_incl_compile=round(first_s, 2), ttft_ms=round(g.ttft_s * 1e3, 2),
@@ -352,7 +353,7 @@ def bench_model(args) -> None:
              step_ms=med_ms(ts), p90_ms=round(float(np.percentile(ts, 90)) * 1e3, 3),
              cpu_ms_per_token=round(cpu_ms, 3), hits=st["hits"], fetched=st["fetched"], host_computed=st["host_computed"],
              distinct_tokens=len(set(toks)))
-        if policy == args.policies[0] and not args.no_breakdown:
+        if policy == args.policies[0] and numerics == args.numerics[0] and not args.no_breakdown:
             nx = step_times_without_experts(m, args.new, args.prompt)
             parts = micro(m.config, m.checkpoint.pool, threads)
             cfg = m.config
@@ -392,6 +393,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--policies", nargs="+", default=["device", "host", "lru"])
+    ap.add_argument("--numerics", nargs="+", default=["auto"], choices=["auto", "exact", "fast"],
+                    help="--model: each policy under each (fast: AMX expert prefill where the CPU has it)")
     ap.add_argument("--cache-slots", type=int, default=128)
     ap.add_argument("--bandwidth", type=float, nargs=2, default=None, metavar=("B_P", "B_H"))
     ap.add_argument("--no-breakdown", action="store_true")

@@ -1,0 +1,182 @@
+"""Expert prefill on the CPU: ftjax's host expert kernel per ISA path against oneMKL's
+bf16 GEMM on the same products, in one run.
+
+One MoE layer of OLMoE-1B-7B's experts (E = 64, D = 2048, F = 1024, top-8, bf16) and a
+prompt of T tokens routed at random (each token to 8 distinct experts: ~T / 8 tokens an
+expert). For each thread count:
+    ftjax   HostExecutor.expert_ffn_numpy under each ISA this CPU has (AUTO's exact
+            kernels, AVX512_BF16, AMX_BF16): the whole layer (gather, gate/up, SwiGLU,
+            down, weighted scatter).
+    mkl     cblas_gemm_bf16bf16f32 for each expert's gate/up [n, 2F] and down [n, D]
+            products only (the activations already gathered and in bf16: a lower bound on
+            a layer built on it), the experts split over the threads; MKL's sequential
+            layer in each. Its libmkl_rt is found in --mkl-lib or in this environment's
+            `mkl` wheel (pip install mkl); absent, the line says CANNOT TEST.
+Medians of --rounds; one JSON line per (system, path, threads), then a verdict line.
+
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_expert_prefill.py [--tokens 512] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ftjax.experts.pool import HostExpertPool, to_bf16_bits
+from ftjax.host import HostExecutor, Isa, available_isas
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
+
+E, D, F, TOP_K = 64, 2048, 1024, 8  # OLMoE-1B-7B's experts
+
+
+def make_pool(rng) -> HostExpertPool:
+    pool = HostExpertPool.allocate(1, E, D, F, "bfloat16")
+    for a in (pool.gate_up, pool.down):  # random bits per expert (the products must not be trivial)
+        for e in range(E):
+            a[0, e] = to_bf16_bits((rng.standard_normal(a.shape[2:], np.float32) * 0.02))
+    return pool.freeze()
+
+
+def routing(rng, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = rng.standard_normal((tokens, D)).astype(np.float32)  # [T, D]
+    ids = np.stack([rng.permutation(E)[:TOP_K] for _ in range(tokens)]).astype(np.int32)  # [T, K]
+    weights = rng.random((tokens, TOP_K)).astype(np.float32)
+    return x, ids, weights / weights.sum(1, keepdims=True)
+
+
+def timed(fn, rounds: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---- oneMKL ---------------------------------------------------------------------------------------
+
+def find_mkl(given: str | None) -> Path | None:
+    for folder in ([Path(given)] if given else []) + [Path(sys.prefix) / "lib"]:
+        hits = sorted(folder.glob("libmkl_rt.so*"))
+        if hits:
+            return hits[0]
+    return None
+
+
+class MklGemm:
+    """cblas_gemm_bf16bf16f32 through ctypes, MKL's sequential threading layer."""
+
+    def __init__(self, lib: Path):
+        os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
+        self.mkl = ctypes.CDLL(str(lib))
+        self.mkl.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL
+        self.fn = self.mkl.cblas_gemm_bf16bf16f32
+        p, i64 = ctypes.c_void_p, ctypes.c_longlong
+        self.fn.argtypes = [ctypes.c_int] * 3 + [i64] * 3 + [ctypes.c_float, p, i64, p, i64, ctypes.c_float, p, i64]
+
+    def xwt(self, x_bits: np.ndarray, w_bits: np.ndarray, out: np.ndarray) -> None:
+        """out [M, N] = x [M, K] . w [N, K]^T, both bf16 bits, row-major."""
+        (m, k), n = x_bits.shape, w_bits.shape[0]
+        self.fn(101, 111, 112, m, n, k, 1.0, x_bits.ctypes.data, k, w_bits.ctypes.data, k, 0.0, out.ctypes.data, n)
+
+
+def mkl_layer(gemm: MklGemm, pool: HostExpertPool, x: np.ndarray, ids: np.ndarray, threads: int):
+    """A function doing every expert's two products, experts split over `threads`."""
+    per_expert = []
+    for e in range(E):
+        tokens = np.nonzero((ids == e).any(1))[0]
+        if tokens.size:
+            xe = to_bf16_bits(x[tokens])  # [n, D]
+            he = to_bf16_bits(np.random.default_rng(e).standard_normal((tokens.size, F), np.float32))  # [n, F]
+            per_expert.append((e, xe, he, np.empty((tokens.size, 2 * F), np.float32),
+                               np.empty((tokens.size, D), np.float32)))
+    shares = [per_expert[i::threads] for i in range(threads)]
+
+    def run_share(share):
+        for e, xe, he, gu, y in share:
+            gemm.xwt(xe, pool.gate_up[0, e], gu)
+            gemm.xwt(he, pool.down[0, e], y)
+
+    def layer():
+        workers = [threading.Thread(target=run_share, args=(s,)) for s in shares[1:]]
+        for w in workers:
+            w.start()
+        run_share(shares[0])
+        for w in workers:
+            w.join()
+    return layer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--mkl-lib", default=None, help="folder holding libmkl_rt.so (default: this environment's lib)")
+    add_allow_dirty_argument(p)
+    args = p.parse_args()
+    check_clean_or_exit(args.allow_dirty)
+    lib = find_mkl(args.mkl_lib)
+    if lib and str(lib.parent) not in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+        # libmkl_rt opens its other libraries by name: start again with their folder searched
+        env = {**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, [str(lib.parent), os.environ.get("LD_LIBRARY_PATH")]))}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    rng = np.random.default_rng(0)
+    pool = make_pool(rng)
+    x, ids, weights = routing(rng, args.tokens)
+    flops = 2 * args.tokens * TOP_K * 3 * D * F
+    common = {"bench": "expert_prefill", "tokens": args.tokens, "experts": E, "expert_shape": [D, F], "top_k": TOP_K,
+              "dtype": "bfloat16", **commit_info(), "machine": machine_info(), **run_fields()}
+    lines = []
+
+    def emit(**fields):
+        line = {**common, **fields}
+        if "seconds" in fields:
+            line.update(ms=round(1e3 * fields["seconds"], 2), tokens_per_s=round(args.tokens / fields["seconds"], 1),
+                        tflops=round(flops / fields["seconds"] / 1e12, 3))
+            del line["seconds"]
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+
+    isas = [i for i in available_isas() if i in (Isa.AVX512, Isa.AVX2, Isa.AVX512_BF16, Isa.AMX_BF16)]
+    gemm = MklGemm(lib) if lib else None
+    for threads in args.threads:
+        for isa in isas:
+            ex = HostExecutor(pool, threads=threads, isa=isa)
+            y = np.empty_like(x)
+            t = timed(lambda: ex.expert_ffn_numpy(x, 0, ids, weights, out=y), args.rounds)
+            emit(system="ftjax", path=isa.name.lower(), threads=threads, seconds=statistics.median(t),
+                 best_ms=round(1e3 * min(t), 2), scope="whole layer")
+        if gemm is None:
+            emit(system="mkl", path="cblas_gemm_bf16bf16f32", threads=threads,
+                 status="CANNOT TEST: no libmkl_rt.so (pip install mkl, or --mkl-lib DIR)")
+            continue
+        t = timed(mkl_layer(gemm, pool, x, ids, threads), args.rounds)
+        emit(system="mkl", path="cblas_gemm_bf16bf16f32", threads=threads, seconds=statistics.median(t),
+             best_ms=round(1e3 * min(t), 2), scope="the two GEMMs per expert only", mkl_lib=str(lib))
+    verdicts = []
+    for threads in args.threads:
+        ours = [x for x in lines if x["system"] == "ftjax" and x["threads"] == threads and "ms" in x]
+        mkl = next((x for x in lines if x["system"] == "mkl" and x["threads"] == threads and "ms" in x), None)
+        best = min(ours, key=lambda x: x["ms"])
+        exact = next(x for x in ours if x["path"] in ("avx512", "avx2"))
+        v = f"{threads} threads: best ftjax path {best['path']} {best['ms']} ms ({exact['ms'] / best['ms']:.2f}x exact)"
+        v += (f"; mkl GEMMs alone {mkl['ms']} ms: ftjax {mkl['ms'] / best['ms']:.2f}x mkl" if mkl
+              else "; mkl CANNOT TEST")
+        verdicts.append(v)
+    print(json.dumps({**common, "bench": "expert_prefill_verdict", "verdicts": verdicts}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
