@@ -479,7 +479,14 @@ def agent_tables(run: Run):
         for key, t in sorted((x.get("ttft_ms") or {}).items()):
             tool = f", tool time {x.get('tool_time_s'):g} s" if x.get("tool_time_s") else ""
             scale = f", scale {x.get('scale'):g}" if x.get("scale") not in (None, 1.0) else ""
-            rows.append([Text(f"`{x.get('model')}`, {key.replace('/', ', ')}, history {x.get('history')}{tool}{scale}"),
+            load = ""
+            if (x.get("agents") or 1) > 1:  # the load case: idle work done while every session was sending
+                idle = ((x.get("idle_work_all_sessions") or {}).get(key.split("/")[1]) or {}).get(key.split("/")[0])
+                load = (f", {x.get('agents')} sessions on {x.get('max_batch')} rows"
+                        + (f" (idle prefills while all sent: {idle['admitted']}, {idle['tokens']:,} tokens)"
+                           if idle else ""))
+            rows.append([Text(f"`{x.get('model')}`, {key.replace('/', ', ')}, history {x.get('history')}{tool}{scale}"
+                              f"{load}"),
                          Value(t["p50"], x), Value(t["p95"], x), Value(t["max"], x)])
     if not rows:
         return [], []
@@ -538,6 +545,25 @@ def prompt_tables(run: Run):
         return [], []
     header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces (ratio)", "first call s (compiles)",
               "first call s, restarted process"]
+    return [Table(run.name, header, rows, run)], []
+
+
+def expert_prefill_tables(run: Run):
+    """`scripts/bench_expert_prefill.py` lines: one MoE layer's expert prefill per kernel
+    path and thread count, oneMKL's bf16 GEMMs on the same products beside them."""
+    lines = [x for x in run.bench("expert_prefill") if "ms" in x.data]
+    exact = {x.get("threads"): Value(x.get("ms"), x) for x in lines
+             if x.get("system") == "ftjax" and x.get("path") == (x.get("machine") or {}).get("isa", {}).get("auto")}
+    rows = []
+    for x in lines:
+        ms = Value(x.get("ms"), x)
+        rows.append([Text(f"{x.get('system')} `{x.get('path')}`, {x.get('threads')} thread{'s' if x.get('threads') != 1 else ''}"
+                          + ("" if x.get("system") == "ftjax" else f" ({x.get('scope')})")),
+                     ms, Value(x.get("tokens_per_s"), x), Value(x.get("tflops"), x),
+                     Ratio(exact[x.get("threads")], ms) if x.get("threads") in exact else Text("—")])
+    if not rows:
+        return [], []
+    header = ["system, path", "ms a layer", "tokens / s", "TFLOP/s", "speed vs the exact path (ratio)"]
     return [Table(run.name, header, rows, run)], []
 
 
@@ -663,6 +689,13 @@ QUESTIONS = [
              "the persistent compilation cache.",
              [prompt_tables],
              "`scripts/bench_prompt_cost.py | tail -1 >> docs/results/prompt/DATE/prompt.jsonl`"),
+    Question("prefill", "Expert prefill per kernel path",
+             "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16) and 512 routed tokens "
+             "(`scripts/bench_expert_prefill.py`): ftjax's host expert kernel under each ISA path (the exact AVX-512 "
+             "/ AVX2 kernels; AVX512_BF16 and the AMX tiles round activations to bf16), the whole layer; oneMKL's "
+             "`cblas_gemm_bf16bf16f32` doing only each expert's two products, activations already gathered in bf16.",
+             [expert_prefill_tables],
+             "`scripts/bench_expert_prefill.py --mkl-lib DIR >> docs/results/prefill/DATE/prefill.jsonl`"),
     Question("overlap", "Host and device halves of a layer",
              "A synthetic MoE layer (`scripts/bench_host_overlap.py`): the host expert kernel and an XLA matmul "
              "chain of about the same time, alone, one after the other (serial), with no order between them (XLA's "
