@@ -567,6 +567,24 @@ def expert_prefill_tables(run: Run):
     return [Table(run.name, header, rows, run)], []
 
 
+def numerics_tables(run: Run):
+    """`scripts/bench_decode.py --model DIR --numerics exact fast` lines: a whole model's
+    prefill and decode per numerics (fast: the AMX tiles for expert prefill where the CPU
+    has them)."""
+    lines = [x for x in run.bench("decode_geometry") if x.get("numerics")]
+    rows = []
+    for x in lines:
+        rows.append([Text(f"`{Path(str(x.get('model_dir'))).name}`, `{x.get('policy')}`, {x.get('threads')} threads, "
+                          f"numerics {x.get('numerics')} (host experts `{x.get('host_isa')}`)"),
+                     Value(x.get("prompt_tokens"), x), Value(x.get("prefill_tok_per_s"), x), Value(x.get("tok_per_s"), x),
+                     Value(x.get("first_run_s_incl_compile"), x)])
+    if not rows:
+        return [], []
+    header = ["model, policy, threads, numerics", "prompt tokens", "prefill tok/s", "decode tok/s",
+              "first run s (compiles)"]
+    return [Table(run.name, header, rows, run)], []
+
+
 def overlap_tables(run: Run):
     """`scripts/bench_host_overlap.py` lines: a synthetic layer's host and device halves
     alone, one after the other, with no order between them, and as the start / finish pair."""
@@ -694,8 +712,14 @@ QUESTIONS = [
              "(`scripts/bench_expert_prefill.py`): ftjax's host expert kernel under each ISA path (the exact AVX-512 "
              "/ AVX2 kernels; AVX512_BF16 and the AMX tiles round activations to bf16), the whole layer; oneMKL's "
              "`cblas_gemm_bf16bf16f32` doing only each expert's two products, activations already gathered in bf16.",
-             [expert_prefill_tables],
-             "`scripts/bench_expert_prefill.py --mkl-lib DIR >> docs/results/prefill/DATE/prefill.jsonl`"),
+             [expert_prefill_tables, numerics_tables],
+             "`scripts/bench_expert_prefill.py --mkl-lib DIR >> docs/results/prefill/DATE/prefill.jsonl`; "
+             "`scripts/bench_decode.py --model DIR --policies host --numerics exact fast --prompt 512 --new 16 "
+             "--threads 2 --no-breakdown >> docs/results/prefill/DATE/numerics.jsonl`",
+             [("Whole model, exact and fast numerics", "The OLMoE-1B-7B geometry with 4 of its 16 layers "
+               "(`make_geometry_checkpoint.py --family olmoe --layers 4`), host policy: a 512-token prompt's prefill "
+               "and the decode after it, `numerics` exact (f32 activations) and fast (bf16 K/V, the AMX tiles for "
+               "expert prefill).")]),
     Question("overlap", "Host and device halves of a layer",
              "A synthetic MoE layer (`scripts/bench_host_overlap.py`): the host expert kernel and an XLA matmul "
              "chain of about the same time, alone, one after the other (serial), with no order between them (XLA's "
