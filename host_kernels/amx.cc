@@ -1,5 +1,6 @@
 #include "amx.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -102,8 +103,10 @@ std::string check_product() {
   for (int64_t i = 0; i < N * K; ++i) x[i] = std::cos(0.11f * i + 0.3f);
   std::vector<const float*> vecs(N);
   for (int64_t j = 0; j < N; ++j) vecs[j] = x.data() + j * K;
-  std::vector<uint32_t> packed(amx_packed_words(N, K));
+  std::vector<uint32_t> packed(amx_packed_words(N, K)), scalar(packed.size());
   amx_pack(vecs.data(), N, K, packed.data());
+  amx_pack_scalar(vecs.data(), N, K, scalar.data());
+  if (packed != scalar) return "the self-check's packed activations differ from the scalar packing";
   const int64_t blocks = (N + kAmxRows - 1) / kAmxRows, stride = blocks * kAmxRows;
   std::vector<float> out(R * stride);
   {
@@ -144,7 +147,41 @@ std::string check() {
   return check_product();
 }
 
+// amx_pack with AVX512-BF16 (every AMX CPU has it): each token's 32 values of a tile
+// rounded in one vcvtne2ps2bf16 (nearest even, as to_bf16; it reads input denormals as
+// zero), the 16 x 16 words then transposed through a stack tile. Packing one OLMoE layer's
+// 4,096 (token, expert) pairs of 2,048 values: 8 ms scalar, 3 ms here.
+__attribute__((target("avx512f,avx512bf16"))) void pack_simd_avx512(const float* const* vecs, int64_t n, int64_t K,
+                                                                    uint32_t* packed) {
+  const int64_t tiles = K / kAmxK;
+  alignas(64) uint32_t words[kAmxRows][kAmxRows];  // [token, pair]
+  for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
+    uint32_t* block = packed + j0 / kAmxRows * tiles * kAmxRows * kAmxRows;
+    const int64_t nj = std::min<int64_t>(kAmxRows, n - j0);
+    for (int64_t kb = 0; kb < tiles; ++kb) {
+      for (int64_t j = 0; j < kAmxRows; ++j) {
+        __m512i w = _mm512_setzero_si512();
+        if (j < nj) {
+          const float* x = vecs[j0 + j] + kb * kAmxK;
+          w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+        }
+        _mm512_store_si512(words[j], w);
+      }
+      uint32_t* tile = block + kb * kAmxRows * kAmxRows;
+      for (int64_t r = 0; r < kAmxRows; ++r)
+        for (int64_t j = 0; j < kAmxRows; ++j) tile[r * kAmxRows + j] = words[j][r];
+    }
+  }
+}
+
 }  // namespace
+
+bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (!ok) return false;
+  pack_simd_avx512(vecs, n, K, packed);
+  return true;
+}
 
 // A pass's weight rows are copied first for more token blocks than this (each then meets
 // blocks / 2 token pairs); fewer read the pool in place. Measured on a 2-core Xeon (expert
@@ -206,6 +243,7 @@ const std::string& amx_bf16_status() {
 AmxScope::AmxScope() {}
 AmxScope::~AmxScope() {}
 void amx_dots(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
+bool pack_simd(const float* const*, int64_t, int64_t, uint32_t*) { return false; }
 
 }  // namespace ftjax
 
@@ -215,7 +253,7 @@ namespace ftjax {
 
 // Block of 16 tokens, K / 32 tiles: tile kb, row r, column j = (x_j[32 kb + 2r] low,
 // x_j[32 kb + 2r + 1] high).
-void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) {
+void amx_pack_scalar(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) {
   const int64_t tiles = K / kAmxK;
   for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
     uint32_t* block = packed + j0 / kAmxRows * tiles * kAmxRows * kAmxRows;
@@ -230,6 +268,10 @@ void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) 
       }
     }
   }
+}
+
+void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) {
+  if (!pack_simd(vecs, n, K, packed)) amx_pack_scalar(vecs, n, K, packed);
 }
 
 }  // namespace ftjax

@@ -42,8 +42,11 @@ inline bool amx_bf16_ok() { return amx_bf16_status().empty(); }
 inline int64_t amx_packed_words(int64_t n, int64_t K) { return (n + kAmxRows - 1) / kAmxRows * K * kAmxRows / 2; }
 
 // vecs[j] (K floats) for j < n -> packed, rounded to bf16 (nearest even); the tokens
-// that pad the last block are zeros.
+// that pad the last block are zeros. AVX512-BF16 where the CPU has it (pack_simd ->
+// false where not), else amx_pack_scalar, the reference the self-check holds it to.
 void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
+void amx_pack_scalar(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
+bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
 
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
 // TILERELEASE). Every amx_dots call runs inside one.
