@@ -41,8 +41,9 @@ def check(lines: list[dict], expected: int) -> None:
 
 
 def test_mesh_matches_one_device(tmp_path):
-    """One family under `lru` (every family, hybrids included, and policy: -m slow)."""
-    check(run_cases(tmp_path, "--families", "qwen3_moe", "--policies", "lru"), 1 * 1 * 2)
+    """One family under `lru` on 4 devices, 2 experts a device (every family, hybrids
+    included, every policy, 2 and 4 devices: -m slow)."""
+    check(run_cases(tmp_path, "--families", "qwen3_moe", "--policies", "lru", "--devices", "4"), 1)
 
 
 @pytest.mark.slow
