@@ -155,14 +155,11 @@ def isa_report() -> dict[str, str]:
     return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok"}
 
 
-AMX_ROW_MULTIPLE = 32  # d_model and d_ff of experts the tiles take (a tile pass: 32 rows, K in 32s)
-
-
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, bf16_experts: bool) -> bool:
     """Whether an expert FFN call multiplies on AMX tiles (bf16-rounded activations): the
-    rule of host_kernels/expert_ffn.cc `takes_tiles`, for references and reports."""
-    return (resolve_isa(isa) is Isa.AMX_BF16 and bf16_experts and num_tokens >= AMX_MIN_TOKENS
-            and d_model % AMX_ROW_MULTIPLE == 0 and d_ff % AMX_ROW_MULTIPLE == 0)
+    kernel's own rule (host_kernels/expert_ffn.cc `expert_ffn_takes_tiles`)."""
+    wtype = _hk.DTYPE_BF16 if bf16_experts else _hk.DTYPE_F32
+    return _hk.expert_ffn_takes_tiles(resolve_isa(isa).value, wtype, wtype, d_model, d_ff, num_tokens)
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:

@@ -206,8 +206,8 @@ void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const u
   scratch.resize(tiles * kATileBytes + 64);
   char* copy = scratch.data() + (-reinterpret_cast<intptr_t>(scratch.data()) & 63);
   const bool copied = blocks > kCopyAfterBlocks;
-  for (int64_t r0 = 0; r0 < num_rows; r0 += 2 * kAmxRows) {
-    const int64_t nr = std::min<int64_t>(2 * kAmxRows, num_rows - r0);
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxPass) {
+    const int64_t nr = std::min<int64_t>(kAmxPass, num_rows - r0);
     ARows a{base + r0 * row_bytes, row_bytes, 64, kAmxRows * row_bytes};
     if (copied) {
       for (int64_t r = 0; r < nr; ++r) {
@@ -220,10 +220,10 @@ void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const u
       const char* b = b_base + b0 * block_bytes;
       float* o = out + r0 * out_stride + b0 * kAmxRows;
       if (blocks - b0 >= 2) {
-        if (nr == 2 * kAmxRows) tile_pass<true, true>(a, b, block_bytes, K, o, stride_bytes);
+        if (nr == kAmxPass) tile_pass<true, true>(a, b, block_bytes, K, o, stride_bytes);
         else tile_pass<false, true>(a, b, block_bytes, K, o, stride_bytes);
       } else {
-        if (nr == 2 * kAmxRows) tile_pass<true, false>(a, b, block_bytes, K, o, stride_bytes);
+        if (nr == kAmxPass) tile_pass<true, false>(a, b, block_bytes, K, o, stride_bytes);
         else tile_pass<false, false>(a, b, block_bytes, K, o, stride_bytes);
       }
     }

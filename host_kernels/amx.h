@@ -30,6 +30,7 @@ namespace ftjax {
 
 constexpr int64_t kAmxRows = 16;       // weight rows, tokens and k pairs per tile
 constexpr int64_t kAmxK = 32;          // K values per tile row (64 bytes of bf16)
+constexpr int64_t kAmxPass = 2 * kAmxRows;  // weight rows and tokens of one pass (amx_dots)
 constexpr int64_t kAmxMinTokens = 16;  // calls with fewer tokens (decode) keep the exact kernels
 
 // "" when AMX-BF16 tiles run here and passed the self-check, else why not (the first

@@ -201,8 +201,6 @@ void pack_expert(const Routing& r, size_t u, const float* rows, int64_t K, bool 
   amx_pack(vecs.data(), n, K, out);
 }
 
-constexpr int64_t kAmxPass = 2 * kAmxRows;  // rows and tokens of one tile pass (amx_dots)
-
 // h[p, f] = silu(gate_f . x_t) * (up_f . x_t) as gate_up_task, for f in [f0, f1) (whole
 // tile rows), on the tiles.
 void gate_up_task_amx(const Call& c, const PackedPairs& x, const GateUpTask& task) {
@@ -258,11 +256,6 @@ void down_task_amx(const Call& c, const PackedPairs& h, int64_t d0, int64_t d1) 
   }
 }
 
-bool takes_tiles(const PoolView& pool, const TokenBatch& batch, Isa isa) {
-  return isa == Isa::kAmxBf16 && pool.wtype == WeightType::kBF16 && pool.down_wtype == WeightType::kBF16 &&
-         pool.d_model % kAmxPass == 0 && pool.d_ff % kAmxPass == 0 && batch.num_tokens >= kAmxMinTokens;
-}
-
 // Phase 1 in tasks of whole tile passes, packed x in, h out; h packed; phase 2.
 void expert_ffn_amx(Call& call, ThreadPool* threads, int num_threads) {
   const PoolView& pool = call.pool;
@@ -286,6 +279,12 @@ void expert_ffn_amx(Call& call, ThreadPool* threads, int num_threads) {
 
 }  // namespace
 
+bool expert_ffn_takes_tiles(Isa isa, WeightType wtype, WeightType down_wtype, int64_t d_model, int64_t d_ff,
+                            int64_t num_tokens) {
+  return isa == Isa::kAmxBf16 && wtype == WeightType::kBF16 && down_wtype == WeightType::kBF16 &&
+         d_model % kAmxPass == 0 && d_ff % kAmxPass == 0 && num_tokens >= kAmxMinTokens;
+}
+
 std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& batch,
                        ThreadPool* threads, Isa isa, int64_t* experts_read) {
   if (layer < 0 || layer >= pool.num_layers)
@@ -302,16 +301,15 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   if (experts_read) *experts_read = static_cast<int64_t>(routing.experts.size());
 
   const int num_threads = threads ? threads->num_threads() : 1;
-  if (takes_tiles(pool, batch, isa)) {
-    AlignedFloats h(routing.token.size() * pool.d_ff);
+  const int64_t num_pairs = routing.token.size();
+  AlignedFloats h(num_pairs * pool.d_ff);
+  if (expert_ffn_takes_tiles(isa, pool.wtype, pool.down_wtype, pool.d_model, pool.d_ff, batch.num_tokens)) {
     Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype), 0, layer,
               batch.x, h, h.data()};
     expert_ffn_amx(call, threads, num_threads);
     return "";
   }
   const bool h_converted = converts_activations(*kernels, pool.down_wtype);  // h converted after phase 1
-  const int64_t num_pairs = routing.token.size();
-  AlignedFloats h(num_pairs * pool.d_ff);
   AlignedFloats h_q(h_converted ? num_pairs * pool.d_ff : 0);
   AlignedFloats x_in(batch.num_tokens * pool.d_model);
   prepare_activations(*kernels, pool.wtype, batch.x, batch.num_tokens, pool.d_model, x_in.data());

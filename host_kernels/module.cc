@@ -337,6 +337,11 @@ NB_MODULE(_host_kernels, m) {
   m.attr("ISA_AVX512_BF16") = (int)Isa::kAvx512Bf16;
   m.attr("ISA_AMX_BF16") = (int)Isa::kAmxBf16;
   m.attr("AMX_MIN_TOKENS") = kAmxMinTokens;
+  m.def("expert_ffn_takes_tiles", [](int isa, int wtype, int down_wtype, int64_t d_model, int64_t d_ff,
+                                     int64_t num_tokens) {
+          return expert_ffn_takes_tiles(static_cast<Isa>(isa), static_cast<WeightType>(wtype),
+                                        static_cast<WeightType>(down_wtype), d_model, d_ff, num_tokens);
+        }, "Whether an expert FFN call of these shapes multiplies on AMX tiles (expert_ffn.cc's rule).");
   m.attr("DTYPE_F32") = (int)WeightType::kF32;
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;

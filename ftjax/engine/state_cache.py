@@ -315,12 +315,15 @@ class StateCache:
         # after a cut no logits were saved; at least one token is left to prefill, which gives them
         logits = last.logits if depth == last.depth else jax.numpy.zeros(self.model.config.vocab_size, jax.numpy.float32)
         session._adopt(state, list(ids[:depth]), logits, cap)
-        self.counters["hits"] += 1
-        self.hit_kinds[last.kind if depth == last.depth else "cut"] += 1
-        self.counters["tokens_reused"] += depth
-        self.counters["tokens_prefilled"] += len(ids) - depth
+        self._count_hit(last.kind if depth == last.depth else "cut", depth, len(ids))
         self._enforce()
         return session, depth
+
+    def _count_hit(self, kind: str, depth: int, num_ids: int) -> None:
+        self.counters["hits"] += 1
+        self.hit_kinds[kind] += 1
+        self.counters["tokens_reused"] += depth
+        self.counters["tokens_prefilled"] += num_ids - depth
 
     def _restore_hot(self, hot: _Hot, ids: Sequence[int], path: list[_Node], capacity: int | None):
         """`restore` from the newest snapshot's whole state: one copy, however many
@@ -333,10 +336,7 @@ class StateCache:
         if path:
             self._touch(path[-1])
         self.counters["lookups"] += 1
-        self.counters["hits"] += 1
-        self.hit_kinds["newest"] += 1
-        self.counters["tokens_reused"] += len(hot.ids)
-        self.counters["tokens_prefilled"] += len(ids) - len(hot.ids)
+        self._count_hit("newest", len(hot.ids), len(ids))
         return session, len(hot.ids)
 
     def _keep_hot(self, ids: Sequence[int], state: tuple, logits, kind: str) -> None:
