@@ -226,6 +226,7 @@ class Checkpoint:
     # block format(s) of the params that are QuantMatrix (quantised at load or kept as a
     # GGUF stores them; "q8_0", or "q4_k+q6_k" for several), None: none is
     dense_format: str | None = None
+    experts_read: np.ndarray | None = None  # bool [E]: the routed experts in this process's pool (None: all)
 
     @property
     def packed(self) -> bool:
@@ -412,7 +413,7 @@ def _pair_fp8_scales(refs: dict[str, TensorRef], fp8_config: bool, model_dir: Pa
 
 
 def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
-                    dense_dtype: str | None = None) -> Checkpoint:
+                    dense_dtype: str | None = None, experts=None) -> Checkpoint:
     """Read and check a HF MoE checkpoint folder.
 
     expert_dtype: storage of the host expert pool; dense_dtype: storage of the dense
@@ -427,6 +428,10 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
     scheme), the block formats of `ftjax.experts.storage` (d_model and the expert FFN width
     must be multiples of the format's block: 32; 256 for q4_k / q6_k; 128 for fp8_e4m3).
     FP8 checkpoints (see the module doc) keep FP8 experts as stored by default.
+    experts: None (read every routed expert), or a function num_experts -> bool [E]: the
+    experts this process reads into its pool (the others' rows are allocated, never
+    written: untouched pages cost no RAM; one of several processes reads the experts its
+    devices own, `Placement.local_experts`).
     """
     quantised = {**QUANTISED_ALIASES, **{name: name for name in BLOCK_FORMATS}}
     dense_fmt = dense_block_format(dense_dtype)
@@ -558,7 +563,11 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             params[path] = np.ascontiguousarray(arr.T if hit[0][2] else arr)
         progress.update(ref.nbytes)
     fmts = part_formats(pool_dtype)
+    mask = np.ones(E, bool) if experts is None else np.asarray(experts(E), bool)
     for ref, m, expert, part in expert_refs:
+        if expert is not None and not mask[expert]:
+            progress.update(ref.nbytes)
+            continue  # another process's expert
         data = _expert_storage(ref, fmts["down" if part.startswith("down") else "gate_up"].name)
         if part == "gate":
             pool.gate_up[m, expert, :F] = data
@@ -567,14 +576,14 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         elif part == "down":
             pool.down[m, expert] = data
         elif part == "gate_up":
-            pool.gate_up[m] = data
+            pool.gate_up[m, mask] = data[mask]
         else:
-            pool.down[m] = data
+            pool.down[m, mask] = data[mask]
         progress.update(ref.nbytes)
     progress.close()
     pool.freeze()
     return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32",
-                      dense_formats(params))
+                      dense_formats(params), None if experts is None else mask)
 
 
 def dense_formats(params: dict) -> str | None:

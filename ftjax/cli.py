@@ -143,9 +143,9 @@ def check_args(args) -> None:
             raise UsageError("--coordinator needs --num-processes and --process-id")
         if args.devices is not None:
             raise UsageError("--devices: with --coordinator the experts are split over every process's devices")
-        if args.command == "serve":
-            raise UsageError("--coordinator: ftjax serve runs in one process for now (several processes: generate "
-                             "and chat, or the Python API)")
+        if args.command == "serve" and args.state_cache_dir is not None:
+            raise UsageError("--state-cache-dir: not with --coordinator (every process would persist the same "
+                             "states; the device and host tiers work)")
     elif args.num_processes is not None or args.process_id is not None:
         raise UsageError("--num-processes / --process-id need --coordinator")
     if args.command == "serve":

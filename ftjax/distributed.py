@@ -18,6 +18,10 @@ Failure is explicit and bounded:
   coordination service no longer sees (polled for up to `timeout_s`). A surviving
   process cannot run steps without its peers: it reports and ends with `exit(code)`
   (JAX's own exit-time shutdown would wait on the dead peer and then abort).
+- process 0 dies -> the coordination service (which runs in it) goes too, and each
+  other process's coordination client aborts its process from a C++ thread, whatever
+  Python is doing; the abort prints that process 0 is gone and exits with EXIT_CODE
+  (`_host_kernels.exit_on_abort`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import NoReturn
 import jax
 
 _timeout_s: float = 60.0
+EXIT_CODE = 3  # a process that ends because another is gone (`exit`)
 
 
 class DistributedError(RuntimeError):
@@ -42,6 +47,11 @@ class PeerLost(DistributedError):
 
 def active() -> bool:
     return jax.process_count() > 1
+
+
+def timeout_s() -> float:
+    """How long a process waits for the others (`connect`'s timeout_s)."""
+    return _timeout_s
 
 
 def connect(coordinator: str, num_processes: int, process_id: int, timeout_s: float = 60.0) -> None:
@@ -88,11 +98,18 @@ def _start(coordinator: str, num_processes: int, process_id: int, timeout_s: int
         client.connect()
     except Exception as e:
         state.service = None
-        why = "" if "bad_cast" in str(e) else f" ({type(e).__name__}: {_first_line(e)})"  # the callback's own cast
+        why = "" if "bad_cast" in str(e) else f" ({type(e).__name__}: {first_line(e)})"  # the callback's own cast
         raise DistributedError(f"process {process_id} of {num_processes}: the processes did not all join "
                                f"{coordinator} within {timeout_s} s{why}") from e
     state.client, state.process_id, state.num_processes = client, process_id, num_processes
     state.coordinator_address, state.partition_index = coordinator, None
+    if process_id != 0:  # the service lives in process 0: when it goes, the client aborts this process
+        from ftjax import _host_kernels
+
+        _host_kernels.exit_on_abort(
+            f"error: process {process_id} of {num_processes}: aborted by its coordination client, which lost the "
+            f"service in process 0 ({coordinator}): process 0 is gone, and this process cannot continue without "
+            f"it (if process 0 still runs, the abort had another cause: see above)", EXIT_CODE)
 
 
 def _peer_error_seen(*_) -> None:
@@ -128,7 +145,7 @@ def step_error(error: Exception) -> Exception:
             if gone:
                 break
             raise PeerLost(f"process {jax.process_index()}: the coordination service does not answer "
-                           f"({_first_line(e)}); the step failed: {_first_line(error)}") from error
+                           f"({first_line(e)}); the step failed: {first_line(error)}") from error
         if gone:
             break
         if "gloo" not in str(error).lower() and "collective" not in str(error).lower():
@@ -138,11 +155,11 @@ def step_error(error: Exception) -> Exception:
         return error
     names = ", ".join(str(i) for i in sorted(gone))
     return PeerLost(f"process {jax.process_index()} of {jax.process_count()}: process {names} is gone "
-                    f"(the step's collective failed: {_first_line(error)}); this process cannot continue "
+                    f"(the step's collective failed: {first_line(error)}); this process cannot continue "
                     f"without it")
 
 
-def exit(code: int = 3) -> NoReturn:  # noqa: A001 (the process exits: the name says it)
+def exit(code: int = EXIT_CODE) -> NoReturn:  # noqa: A001 (the process exits: the name says it)
     """After `PeerLost`: end this process now, with `code`. JAX's exit-time shutdown
     would wait at a barrier for every process (the dead one never comes) and its
     coordination client would then abort the process; so stdio is flushed and the
@@ -155,5 +172,5 @@ def exit(code: int = 3) -> NoReturn:  # noqa: A001 (the process exits: the name 
     os._exit(code)
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

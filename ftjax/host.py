@@ -522,8 +522,9 @@ def pool_view(pool: HostExpertPool, memory_kind: str = "pinned_host", placement=
     `ftjax.placement.Placement` (a mesh: every device sees the whole pool; on the CPU
     backend each device's view aliases the same RAM).
     """
-    target = placement.replicated(memory_kind) if placement is not None else sharding(memory_kind)
-    return jax.device_put(pool.parts, target)
+    if placement is None:
+        return jax.device_put(pool.parts, sharding(memory_kind))
+    return placement.put(pool.parts, placement.replicated(memory_kind))
 
 
 def memory_kind_of(tree) -> str | None:

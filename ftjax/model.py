@@ -133,7 +133,8 @@ class Model:
     def new_state(self, batch: int, capacity: int):
         """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers),
         committed to device memory like the states the steps return (one compile each)."""
-        return jax.device_put(init_state(self.config, batch, capacity, self.kv_dtype), self._placement.replicated())
+        p = self._placement
+        return p.put(init_state(self.config, batch, capacity, self.kv_dtype), p.replicated())
 
     def api_scheduler(self):
         """The decode loop of the Python API (`generate*`, `Session.generate`): an
@@ -350,7 +351,8 @@ class Model:
         table = self.calibration.poll(self._host.work_done())
         if table is not None:
             q = self._xstate["q_of_misses"]
-            self._xstate = {**self._xstate, "q_of_misses": jax.device_put(self._steps.executor.q_leaf(table), q.sharding)}
+            leaf = self._placement.put(self._steps.executor.q_leaf(table), q.sharding)  # this process's devices only
+            self._xstate = {**self._xstate, "q_of_misses": leaf}
 
     def _capacity(self) -> int | None:
         """The expert cache's allocated slots as elastic memory last sized it (None: all)."""
@@ -390,13 +392,14 @@ def _initial_xstate(executor, pool, placement: Placement, capacity: int | None =
     at the size it had)."""
     state = executor.init_state(pool.parts, capacity)
     state.pop("codes")
-    return jax.device_put(state, placement.per_device())
+    return placement.put(state, placement.per_device())
 
 
-def _param_state(graphdef_state, params: dict[str, np.ndarray]):
+def _param_state(graphdef_state, params: dict[str, np.ndarray], put=jnp.asarray):
     """The loaded values as the model's param state (a `QuantMatrix` value stays one: its
-    array goes to the device, its format rides in the tree structure)."""
-    leaves = [(path, v.replace(jax.tree.map(jnp.asarray, params[".".join(map(str, path))])))
+    array goes to the device, its format rides in the tree structure). put: host array ->
+    device array (a mesh: committed to every device, straight from the host copy)."""
+    leaves = [(path, v.replace(jax.tree.map(put, params[".".join(map(str, path))])))
               for path, v in nnx.to_flat_state(graphdef_state)]
     return nnx.from_flat_state(leaves)
 
@@ -470,11 +473,16 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     model_dir = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if path is None and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from {model_dir}")
+    pol = get_policy(policy)
+    placement = placement_for(devices)
+    # several processes: each reads only the experts its devices own (the `device` policy
+    # puts every expert on every device, so it needs them all)
+    owned = placement.local_experts if jax.process_count() > 1 and pol.name != "device" else None
     if model_dir.suffix == ".gguf" and not model_dir.is_dir():  # one GGUF file (ftjax.gguf_checkpoint)
         from ftjax.gguf_checkpoint import load_gguf
         ckpt = load_gguf(model_dir, expert_dtype, dense_dtype)
     else:
-        ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype)
+        ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype, experts=owned)
     cfg = ckpt.config
     numerics = numerics_for(ckpt) if numerics == "auto" else numerics
     kv_dtype = kv_dtype or ("float32" if numerics == "exact" else "bfloat16")
@@ -483,9 +491,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     if prefill == "streamed" and not streamable:
         raise ValueError(f"prefill='streamed' is not available for {cfg.model_type} (its decoder layers need more "
                          "than one layer's program can be given); use 'cached' or 'auto'")
-    pol = get_policy(policy)
     pool = ckpt.pool
-    placement = placement_for(devices)
     if placement.mesh is not None:
         for name, given in (("device_memory_bytes", device_memory_bytes is not None), ("overlap_host", overlap_host),
                             ("prefill='streamed'", prefill == "streamed")):
@@ -532,9 +538,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         executor = ExpertParallel(executor, placement, frequency)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: causal_lm(cfg, packed=ckpt.packed)))
-    params = _param_state(abstract, ckpt.params)
-    if placement.mesh is not None:  # committed to every device (uncommitted ones would be sent at every step)
-        params = jax.device_put(params, placement.replicated())
+    # a mesh: committed to every device (uncommitted ones would be sent at every step)
+    params = _param_state(abstract, ckpt.params, put=jnp.asarray if placement.mesh is None else
+                          lambda a: placement.put(a, placement.replicated()))
     ckpt.params.clear()  # the device state owns them now; don't keep a second host copy
     tokenizer = getattr(ckpt, "tokenizer", None)  # a GGUF carries its own
     if tokenizer is None and (model_dir / "tokenizer.json").is_file():

@@ -18,7 +18,11 @@ not code paths: the model asks its `Placement` for a sharding and gets the one-d
 the mesh answer.
 
 Several processes (`jax.distributed`) give the same mesh over every process's devices;
-see `ftjax.distributed`.
+see `ftjax.distributed`. Host values reach it through `put`: each process gives its
+own devices their part, with no cross-process traffic (`jax.device_put` would first
+check that every process passed the same value: an all-gather of all of it, which for
+the expert pool is every byte, and which must not differ: each process loads only the
+experts its devices own).
 """
 
 from __future__ import annotations
@@ -55,9 +59,33 @@ class Placement:
             return sharding(memory_kind)
         return NamedSharding(self.mesh, PartitionSpec(AXIS), memory_kind=_kind(memory_kind))
 
+    def put(self, tree, sharding: jax.sharding.Sharding):
+        """Host values (numpy or single-device arrays) onto `sharding`, one of this
+        placement's. One process: `jax.device_put` (zero-copy for aligned numpy on the CPU
+        backend). Several: each process's devices get their part of this process's values
+        (`jax.make_array_from_callback`), trusted to agree where they must (the SPMD
+        program computed them alike) and free to differ where no device of this process
+        reads them (another process's experts)."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+
+        def one(x):
+            if isinstance(x, jax.core.Tracer):  # traced (jax.eval_shape): only its shape matters
+                return jax.device_put(x, sharding)
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return jax.tree.map(one, tree)
+
     def owner(self, num_experts: int) -> np.ndarray:
         """owner [E]: the device index that owns each expert (e % P)."""
         return np.arange(num_experts) % self.size
+
+    def local_experts(self, num_experts: int) -> np.ndarray:
+        """bool [E]: the experts a device of this process owns (every one with one process)."""
+        if self.mesh is None:
+            return np.ones(num_experts, bool)
+        mine = [d for d, dev in enumerate(self.mesh.devices.flat) if dev.process_index == jax.process_index()]
+        return np.isin(self.owner(num_experts), mine)
 
     def describe(self) -> list[str]:
         """The devices, in axis order, by name."""

@@ -1,13 +1,17 @@
 // nanobind module `ftjax._host_kernels`: numpy entry points into the host expert
 // kernels (expert FFN, dense linear), the persistent ThreadPool, the XLA FFI handlers
-// as PyCapsules, the read-bandwidth probe, and two test hooks (a pool job whose task
-// throws, injected expert-kernel faults). Every long call releases the GIL. Pool arrays
+// as PyCapsules, the read-bandwidth probe, two test hooks (a pool job whose task
+// throws, injected expert-kernel faults), and a process's last words on SIGABRT. Every long call releases the GIL. Pool arrays
 // are taken without conversion (a silent copy of a multi-GB pool would be a bug).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -35,6 +39,30 @@ using namespace nb::literals;
 
 namespace ftjax {
 namespace {
+
+// A process of a multi-process model whose coordination client loses the service (in
+// process 0) is aborted by that client, from its own C++ thread: JAX offers no way to
+// survive it. `exit_on_abort` makes that abort print why and exit with a chosen code.
+char g_abort_message[1024];
+size_t g_abort_length = 0;
+int g_abort_code = 1;
+
+void on_abort(int) {
+  ssize_t written = write(STDERR_FILENO, g_abort_message, g_abort_length);
+  (void)written;
+  _exit(g_abort_code);  // async-signal-safe, unlike exit()
+}
+
+void exit_on_abort(const std::string& message, int code) {
+  g_abort_length = std::min(message.size() + 1, sizeof(g_abort_message) - 1);
+  std::memcpy(g_abort_message, message.data(), g_abort_length - 1);
+  g_abort_message[g_abort_length - 1] = '\n';
+  g_abort_code = code;
+  struct sigaction action {};
+  action.sa_handler = on_abort;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGABRT, &action, nullptr);
+}
 
 using Pool4 = nb::ndarray<nb::ro, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
 using X2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -330,6 +358,8 @@ NB_MODULE(_host_kernels, m) {
   m.def("amx_bf16_status", [] { return amx_bf16_status(); },
         "'' when AMX-BF16 tiles run here and passed the self-check, else why not");
   m.def("hardware_cores", &hardware_cores);
+  m.def("exit_on_abort", &exit_on_abort, "message"_a, "code"_a,
+        "From now on SIGABRT (abort(), std::terminate) writes message to stderr and _exit(code)s.");
   m.attr("ISA_AUTO") = (int)Isa::kAuto;
   m.attr("ISA_SCALAR") = (int)Isa::kScalar;
   m.attr("ISA_AVX2") = (int)Isa::kAvx2;

@@ -52,12 +52,18 @@ still queued or running, for a shutdown whose deadline has passed.
 Threading: `run()` is the engine loop on one thread (JAX calls are blocking);
 `submit` / `cancel` / `stats` / `drain` / `fail_pending` may be called from any thread. A cancelled job leaves
 within one iteration (at most one prefill chunk plus one decode step) and its state
-is dropped.
+is dropped. What other threads do reaches a step only through `_sync`, at its start:
+submitted jobs wait in an inbox until then, and cancellations, deadlines and the idle
+grace are read there once. So a step is a function of the scheduler's state and that
+one decision, which is what lets several processes run one scheduler
+(`engine.replica`: process 0 makes the decision, the others replay it).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -70,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax import distributed
+from ftjax.engine import replica
 from ftjax.engine.memory import DeviceMemoryError, consumed, tree_bytes
 from ftjax.engine.sampling import bias_arrays
 from ftjax.engine.session import Sampling, _first_tokens
@@ -89,6 +96,7 @@ IDLE_JOBS = 4  # idle prefills waiting at most (`Scheduler.submit_idle`): the ne
 # seconds loses 50 ms of idle time.
 IDLE_GRACE_S = 0.05
 DEFAULT_MAX_QUEUE = 64
+PEER_CHECK_S = 2.0  # several processes, idle: how often the engine checks that its peers are there
 
 
 class QueueFull(Exception):
@@ -124,6 +132,7 @@ class Job:
     outcome: str | None = None  # the reason it ended, once it has
     error: Exception | None = None  # the exception behind an "error: ..." outcome, when one raised
     idle: bool = False  # a prefill into the state cache at low priority, no token (`submit_idle`)
+    seq: int = -1  # the order the engine took it in (from `_sync` on): its name on every process
 
     def bias(self) -> dict[int, float] | None:
         """The row's logit bias: logit_bias, banned tokens at -inf."""
@@ -174,7 +183,7 @@ def _put_row(state, row, slot):
 
 class Scheduler:
     def __init__(self, model: Model, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
-                 max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, replica=None):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
@@ -184,10 +193,16 @@ class Scheduler:
         self.buckets = batch_buckets(max_batch)
         self.capacities = capacity_buckets(model.max_seq_len)
         self.eos = model.eos_ids
+        self._inbox: list[Job] = []  # submitted since the last step (`_sync` takes them in)
         self._queue: collections.deque[Job] = collections.deque()
-        self._idle: collections.deque[Job] = collections.deque(maxlen=IDLE_JOBS)  # newest win
+        self._idle: collections.deque[Job] = collections.deque()  # at most IDLE_JOBS: the newest win
         self.idle_grace_s = IDLE_GRACE_S
         self._last_request_work = 0.0  # time.monotonic() of the last step with a request to serve
+        self._idle_ok = False  # this step may start idle work (decided in `_sync`)
+        self._seq = itertools.count()
+        self.replica = replica  # engine.replica.Leader / Follower (several processes), or None
+        self.lost: Exception | None = None  # a peer process gone, or this one diverged: nothing can go on
+        self._peers_checked = time.monotonic()
         self._cv = threading.Condition()
         self._prefill: _Prefill | None = None
         self._rows: list[_Row | None] = []  # [Bp]
@@ -210,10 +225,10 @@ class Scheduler:
                 raise NotAccepting("the server is shutting down and accepts no new requests")
             if self.degraded:
                 raise NotAccepting(f"the engine is degraded: {self.degraded}")
-            if len(self._queue) >= self.max_queue:
+            if self._queued() >= self.max_queue:
                 self._counts["rejected"] += 1
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
-            self._queue.append(job)
+            self._inbox.append(job)
             self._cv.notify()
 
     def submit_idle(self, prompt: np.ndarray, on_done: Callable[[str], None] = lambda reason: None) -> bool:
@@ -229,9 +244,7 @@ class Scheduler:
         with self._cv:
             if not self.accepting or self.degraded:
                 return False
-            if len(self._idle) == self._idle.maxlen:
-                self._counts["idle_dropped"] += 1
-            self._idle.append(job)
+            self._inbox.append(job)
             self._cv.notify()
         return True
 
@@ -243,21 +256,23 @@ class Scheduler:
     def drain(self) -> None:
         """Stop admitting; what is queued or running goes on."""
         with self._cv:
-            self.accepting = False
-            self._idle.clear()  # idle work is for a server that goes on
+            self.accepting = False  # the next step drops the idle work: it is for a server that goes on
             self._cv.notify()
 
     def fail_pending(self, reason: str) -> None:
         """End every queued and running job with `reason` (a shutdown past its deadline).
         Takes the step lock: returns once the engine thread is between steps."""
         with self.lock:
+            if self.replica is not None and not self.replica.follower:
+                self.replica.publish({"k": "fail_all", "reason": reason})
             self._fail_all(reason, None)
 
     def _fail_all(self, reason: str, error: Exception | None) -> None:
         """End every queued, prefilling and decoding job with `reason` (on the engine
         thread, or holding the step lock)."""
         with self._cv:
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = list(self._queue) + [j for j in self._inbox if not j.idle], collections.deque()
+            self._inbox = []
         for job in queued:
             job.error = error
             self._finish(job, reason)
@@ -265,11 +280,14 @@ class Scheduler:
 
     def pending(self) -> int:
         """Jobs queued, prefilling or decoding."""
-        return len(self._queue) + (self._prefill is not None) + sum(r is not None for r in self._rows)
+        return self._queued() + (self._prefill is not None) + sum(r is not None for r in self._rows)
+
+    def _queued(self) -> int:
+        return len(self._queue) + sum(not j.idle for j in self._inbox)
 
     def stats(self) -> dict:
         rows = [r for r in self._rows if r is not None]
-        return {"queued": len(self._queue), "prefilling": int(self._prefill is not None), "active": len(rows),
+        return {"queued": self._queued(), "prefilling": int(self._prefill is not None), "active": len(rows),
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "batch_rows": len(self._rows),
                 "capacity": self._cap, "accepting": self.accepting, "degraded": self.degraded,
                 **{k: self._counts[k] for k in ("steps", "admitted", "finished", "cancelled", "timeouts", "errors",
@@ -279,15 +297,30 @@ class Scheduler:
 
     # ---- the engine thread -------------------------------------------------------------------
     def run(self, stop: threading.Event, idle_s: float = 0.25) -> None:
-        """Iterate until `stop` is set; sleep while there is nothing to do (idle work
-        waiting out its grace: until the grace ends)."""
-        while not stop.is_set():
+        """Iterate until `stop` is set (or a peer process is lost); sleep while there is
+        nothing to do (idle work waiting out its grace: until the grace ends)."""
+        while not stop.is_set() and self.lost is None:
             with self._cv:
-                if not self.busy():
+                busy = self.busy()
+                if not busy:
                     self._cv.wait(min(idle_s, self._idle_wait()) if self._idle else idle_s)
-                    continue
-            with self.lock:
-                self.step()
+            if busy:
+                with self.lock:
+                    self.step()
+            elif self.replica is not None:
+                with self.lock:
+                    self._watch_peers()
+
+    def _watch_peers(self) -> None:
+        """Several processes, nothing to do: every PEER_CHECK_S, check that the others are
+        still there (a lost one is found here rather than by the next request)."""
+        if self.replica is None or time.monotonic() - self._peers_checked < PEER_CHECK_S:
+            return
+        self._peers_checked = time.monotonic()
+        try:
+            self.replica.check_peers()
+        except Exception as e:
+            self._failed("idle", e, batch=True)
 
     def device_state_bytes(self) -> int:
         """The batched state's bytes (for the elastic memory budget)."""
@@ -309,22 +342,23 @@ class Scheduler:
         return self.memory.state_bytes(max(cap, self._cap), rows) - self.device_state_bytes()
 
     def busy(self) -> bool:
-        return bool(self._queue) or self._prefill is not None or any(self._rows) or (
-            bool(self._idle) and self._idle_wait() == 0)
+        return bool(self._inbox) or bool(self._queue) or self._prefill is not None or any(self._rows) or (
+            bool(self._idle) and (self._idle_wait() == 0 or not self.accepting))
 
     def _idle_wait(self) -> float:
         """Seconds until idle work may start (0: now): IDLE_GRACE_S after the last step
         that had a request to serve."""
         return max(0.0, self._last_request_work + self.idle_grace_s - time.monotonic())
 
-    def step(self) -> None:
-        """One iteration: end cancelled and expired jobs, one prefill chunk, one decode
-        step. A failure ends the jobs it touched and leaves the scheduler serving."""
-        self._drop_ended()
+    def step(self, decision: dict | None = None) -> None:
+        """One iteration: take in what arrived, end cancelled and expired jobs, one prefill
+        chunk, one decode step. A failure ends the jobs it touched and leaves the scheduler
+        serving. `decision`: on a follower process, the leader's `_sync` decision."""
+        self._sync(decision)
         self._preempt_idle()
         if self._queue or any(self._rows) or (self._prefill is not None and not self._prefill.job.idle):
             self._last_request_work = time.monotonic()
-        if self._prefill is not None or self._queue or (self._idle and not any(self._rows) and not self._idle_wait()):
+        if self._prefill is not None or self._queue or (self._idle and not any(self._rows) and self._idle_ok):
             try:
                 while self._advance_prefill() and self._queue:
                     pass  # jobs that need no prefill (continued sessions, whole-prompt cache hits) join together
@@ -335,6 +369,53 @@ class Scheduler:
                 self._decode()
             except Exception as e:
                 self._failed("decode", e, batch=True)
+
+    def _sync(self, decision: dict | None) -> None:
+        """The step's one input from outside the engine thread: the jobs that arrived, the
+        jobs that ended (cancelled, past their deadline), whether idle work may start (the
+        grace), whether to drop idle work (draining). Read here from the inbox, flags and
+        clocks, once, and published to the other processes (leader); or taken from the
+        leader's `decision` (follower)."""
+        r = self.replica
+        if r is not None and r.follower:
+            arrived = [r.mirror(wire) for wire in decision["jobs"]]
+            self._take_in(arrived, decision["clear_idle"])
+            ended = {r.jobs[seq]: why for seq, why in decision["ended"]}
+            idle_ok = decision["idle_ok"]
+        else:
+            with self._cv:
+                arrived, self._inbox = self._inbox, []
+                clear_idle = not self.accepting
+            for job in arrived:
+                job.seq = next(self._seq)
+            self._take_in(arrived, clear_idle)
+            ended = self._ended(time.monotonic())
+            idle_ok = not self._idle_wait()
+            if r is not None:
+                for job in arrived:
+                    r.recording(job)
+                r.publish({"k": "step", "jobs": [replica.job_wire(j) for j in arrived], "idle_ok": idle_ok,
+                           "ended": [[j.seq, why] for j, why in ended.items()], "clear_idle": clear_idle})
+        self._idle_ok = idle_ok
+        self._drop_ended(ended)
+
+    def _take_in(self, arrived: list[Job], clear_idle: bool) -> None:
+        """Requests join the queue; idle jobs their own, where only the newest IDLE_JOBS
+        wait (the rest, and all of them when draining, end "dropped")."""
+        dropped = []
+        with self._cv:
+            for job in arrived:
+                if not job.idle:
+                    self._queue.append(job)
+                    continue
+                if len(self._idle) == IDLE_JOBS:
+                    dropped.append(self._idle.popleft())
+                self._idle.append(job)
+            if clear_idle:
+                dropped += self._idle
+                self._idle.clear()
+        for job in dropped:
+            self._end_idle(job, "dropped")
 
     def _finish(self, job: Job, reason: str) -> None:
         """The one way a job ends: exactly once, whatever its callbacks do."""
@@ -358,11 +439,19 @@ class Scheduler:
         distributed model is gone nothing can go on: every job ends with that error and
         the scheduler stays degraded."""
         e = distributed.step_error(e)
-        if isinstance(e, distributed.PeerLost):
+        if isinstance(e, distributed.DistributedError):  # a peer gone, or this process diverged
             log.error("%s step failed: %s", where, e)
-            self._fail_all(f"error: PeerLost: {e}", e)
-            self.degraded = str(e)
+            self._fail_all(f"error: {type(e).__name__}: {e}", e)
+            self.degraded, self.lost = str(e), e
             return
+        if self.replica is not None:  # every process fails the same step, or they part here
+            try:
+                if self.replica.follower:
+                    self.replica.next("failed")
+                else:
+                    self.replica.publish({"k": "failed", "where": where})
+            except Exception as err:
+                return self._failed(where, err, batch=True)
         reason = f"error: {type(e).__name__}: {e}"
         ids = ([self._prefill.job.id] if self._prefill else []) + \
               ([r.job.id for r in self._rows if r is not None] if batch else [])
@@ -398,27 +487,29 @@ class Scheduler:
             job.error = error
             self._finish(job, reason)
 
-    def _drop_ended(self) -> None:
-        """Cancelled jobs leave; jobs past their deadline end with "timeout"."""
-        now = time.monotonic()
+    def _ended(self, now: float) -> dict[Job, str]:
+        """Queued, prefilling and decoding jobs that end now: cancelled, or "timeout"
+        (past their deadline)."""
+        jobs = [*self._queue, *([self._prefill.job] if self._prefill else []), *(r.job for r in self._rows if r)]
+        return {j: "cancelled" if j.cancelled else "timeout" for j in jobs
+                if j.cancelled or (j.deadline is not None and now > j.deadline)}
 
-        def reason(job: Job) -> str | None:
-            return "cancelled" if job.cancelled else "timeout" if job.deadline is not None and now > job.deadline \
-                else None
+    def _drop_ended(self, ended: dict[Job, str]) -> None:
+        """The `ended` jobs leave, with their reason."""
         with self._cv:
-            gone = [(j, reason(j)) for j in self._queue if reason(j)]
-            for j, _ in gone:
+            gone = [j for j in self._queue if j in ended]
+            for j in gone:
                 self._queue.remove(j)
-        for j, why in gone:
-            self._finish(j, why)
-        if self._prefill is not None and reason(self._prefill.job):
+        for j in gone:
+            self._finish(j, ended[j])
+        if self._prefill is not None and self._prefill.job in ended:
             p, self._prefill = self._prefill, None
             if p.session is not None and p.job.session is None:
                 p.session.close()
-            self._finish(p.job, reason(p.job))
+            self._finish(p.job, ended[p.job])
         for b, r in enumerate(self._rows):
-            if r is not None and reason(r.job):
-                self._leave(b, reason(r.job))
+            if r is not None and r.job in ended:
+                self._leave(b, ended[r.job])
         self._compact()
 
     # ---- prefill and joining -----------------------------------------------------------
@@ -433,7 +524,7 @@ class Scheduler:
                     if self.memory is not None and live and not self.memory.fits(self.need_bytes(job)):
                         return False  # waits for running rows to leave (it fits alone: checked at submission)
                     self._queue.popleft()
-                elif self._idle and not live and not self._queue and not self._idle_wait():  # idle work
+                elif self._idle and not live and not self._queue and self._idle_ok:  # idle work
                     job = self._idle.pop()  # the newest prediction first
                     if self.memory is not None and not self.memory.fits(self.need_bytes(job)):
                         self._end_idle(job, "dropped")
@@ -654,15 +745,18 @@ class Scheduler:
         ids = np.asarray(out)  # the one host sync per step
         m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
         self._counts["steps"] += 1
-        for b in live:
-            r = rows[b]
-            r.pos += 1
-            if r.job.step_logits is not None:
-                r.job.step_logits.append(np.asarray(logits[b], np.float32))
-            tok = r.forced.popleft() if r.forced else int(ids[b])
-            r.token = tok
-            if self._emit(r, tok):
-                self._release(b)
+        batched = self.replica.batched() if self.replica is not None and not self.replica.follower else \
+            contextlib.nullcontext()
+        with batched:  # several processes: the rows' answers as one record
+            for b in live:
+                r = rows[b]
+                r.pos += 1
+                if r.job.step_logits is not None:
+                    r.job.step_logits.append(np.asarray(logits[b], np.float32))
+                tok = r.forced.popleft() if r.forced else int(ids[b])
+                r.token = tok
+                if self._emit(r, tok):
+                    self._release(b)
         self._compact()
 
     def _emit(self, row: _Row, tok: int) -> bool:
@@ -671,6 +765,8 @@ class Scheduler:
         job.new_tokens += 1
         try:
             stop = job.on_token(tok)
+        except distributed.DistributedError:  # a follower that no longer matches the leader: not the job's fault
+            raise
         except Exception as e:  # the job's own callback: it alone fails
             log.exception("job %s: on_token raised", job.id or id(job))
             self._finish(job, f"error: {type(e).__name__}: {e}")

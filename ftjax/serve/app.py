@@ -21,6 +21,12 @@ keeps serving. A request may shorten its deadline with `X-Request-Timeout: SECON
 Shutdown (SIGTERM or Ctrl-C): the server stops admitting at once (503), gives what is
 queued or running `--drain-s` seconds to finish, then ends the rest with an error, so
 every client gets an answer and the process exits; a second signal exits at once.
+
+Several processes (`--coordinator`, `ftjax.distributed`): every process runs `serve`
+with the same options; process 0 listens and schedules, the others run its steps
+(`engine.replica`; their settings are checked against process 0's before any step).
+When a peer process is lost, the requests in flight end with an error naming it and
+the server exits; stopping process 0 stops the others.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ftjax import distributed
+from ftjax.engine import replica
 from ftjax.serve import anthropic_api, openai_api
 from ftjax.serve.core import DEFAULT_DRAIN_S, DEFAULT_REQUEST_TIMEOUT_S, Engine, ServeError
 from ftjax.serve.metrics import Metrics
@@ -194,11 +202,18 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftj
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    role = replica.for_this_process()  # several processes: process 0 serves, the others follow its steps
     engine = Engine(model, model_id, max_batch, prefill_chunk, state_cache, max_queue, request_timeout_s,
-                    idle_reprefill)
+                    idle_reprefill, role)
+    if role is not None:
+        role.handshake(engine.settings(warmup=warmup), distributed.timeout_s())
     if warmup:
         print(f"ftjax serve: compiled the engine's programs in {engine.scheduler.warmup():.1f} s", file=sys.stderr,
               flush=True)
+    if role is not None and role.follower:
+        print(f"ftjax serve: process {role.pid} runs process 0's steps", file=sys.stderr, flush=True)
+        engine.follow()
+        return
     engine.start()
     cache = f"state cache {state_cache.mode}" if state_cache is not None else "no state cache"
     print(f"ftjax serve: {model_id} (context {engine.context}, max batch {max_batch}, {cache}) on http://{host}:{port} "
@@ -212,7 +227,11 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftj
 
     config = uvicorn.Config(create_app(engine, max_body_bytes, keepalive_s), host=host, port=port,
                             log_level="warning", timeout_graceful_shutdown=int(math.ceil(drain_s)) + 5)
+    server = Server(config)
+    engine.on_lost = lambda error: setattr(server, "should_exit", True)  # its requests have their errors
     try:
-        Server(config).run()
+        server.run()
     finally:
         engine.close()
+    if engine.scheduler.lost is not None:
+        raise engine.scheduler.lost  # a peer process is gone: the CLI names it and exits

@@ -343,14 +343,17 @@ def done_error(done: Done) -> ServeError | None:
 class Engine:
     def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
                  max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 idle_reprefill: bool = True):
+                 idle_reprefill: bool = True, replica=None):
         """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
         whole); the engine owns it from here (its thread uses it; `close` persists it).
         max_queue: requests waiting beyond the running batch (more get 429 / 529);
         request_timeout_s: the longest any request may take, queue included;
         idle_reprefill: learn how each conversation rewrites its history
         (`engine.rewrites`) and, after a response, prefill the predicted beginning of its
-        next request into the state cache while the engine is idle (needs a state cache)."""
+        next request into the state cache while the engine is idle (needs a state cache).
+        replica: this process's role when several processes run the model
+        (`engine.replica`): the leader serves and publishes its decisions, a follower
+        runs the same steps (`follow`)."""
         if model.tokenizer is None:
             raise ValueError("ftjax serve needs a model folder with tokenizer.json")
         if not (isinstance(request_timeout_s, (int, float)) and 0 < request_timeout_s < float("inf")):
@@ -361,15 +364,37 @@ class Engine:
         self.rewrites = RewriteTracker() if idle_reprefill and state_cache is not None else None
         self._rewrites_lock = threading.Lock()  # requests are prepared on worker threads
         self.idle_counters = {"predicted_tokens": 0, "token_exact": 0, "token_wrong": 0, "tokens_ready": 0}
-        self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache, max_queue)
+        self.scheduler = Scheduler(model, max_batch, prefill_chunk, state_cache, max_queue, replica)
+        self.replica = replica
+        self.on_lost = lambda error: None  # called on the engine thread when a peer process is lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="ftjax-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
         self._drain_timer: threading.Timer | None = None
         self.started_at = time.time()
 
     def start(self) -> None:
         self._thread.start()
+
+    def _run(self) -> None:
+        self.scheduler.run(self._stop)
+        if self.scheduler.lost is not None:
+            self.on_lost(self.scheduler.lost)
+
+    def settings(self, **extra) -> dict:
+        """What every process of a replicated engine must agree on (`engine.replica`)."""
+        m, cache = self.model, self.state_cache
+        return {"model": m.fingerprint, "policy": m.policy, "max_seq_len": m.max_seq_len, "numerics": m.numerics,
+                "cache_slots": m._steps.executor.slots, "max_batch": self.scheduler.max_batch,
+                "prefill_chunk": self.scheduler.prefill_chunk,
+                "state_cache": None if cache is None else [cache.mode, cache.budget["device"], cache.budget["host"]],
+                **extra}
+
+    def follow(self) -> None:
+        """A follower process: run the leader's steps until it stops (`engine.replica`)."""
+        try:
+            self.replica.follow(self.scheduler)
+        finally:
+            self.close()
 
     def health(self) -> dict:
         sch = self.scheduler
@@ -399,6 +424,8 @@ class Engine:
             self._drain_timer.cancel()
         if not self._thread.is_alive():
             self.scheduler.fail_pending("error: ServerShutdown: the server stopped before the request finished")
+        if self.replica is not None and not self.replica.follower and self.scheduler.lost is None:
+            self.replica.stop()  # the followers' steps end here too
         if self.state_cache is not None and not self._thread.is_alive():
             cache, self.state_cache = self.state_cache, None
             cache.close()  # the disk tier (if any) keeps the sessions for the next start
