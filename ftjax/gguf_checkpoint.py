@@ -346,14 +346,16 @@ def expert_format(path: Path, expert_refs: list) -> str:
     return pool_format(names["gate_up"] or names["down"] or "float32", names["down"] or names["gate_up"] or "float32")
 
 
-def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: str | None = None) -> GGUFCheckpoint:
+def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: str | None = None,
+              experts=None) -> GGUFCheckpoint:
     """Read and check a GGUF checkpoint (see the module docstring).
 
     expert_dtype: None, or the format the experts are stored in ("int8" / "q8_0" for Q8_0,
     "int4" / "q4_0", "q4_k", "q6_k", "mxfp4", "bfloat16", "float32" for F32 / F16; "q4_k/q6_k"
     for Q4_K gate / up and Q6_K down): GGUF experts are never converted.
     dense_dtype: None / "bfloat16" (keep BF16 matrices as bf16 bits, block-type ones as
-    stored) or "float32" (dequantise every matrix to float32)."""
+    stored) or "float32" (dequantise every matrix to float32). experts: as
+    `checkpoint.load_checkpoint`'s (the experts this process reads; None: all)."""
     if dense_dtype not in (None, "bfloat16", "float32"):
         raise ValueError(f"dense_dtype must be 'bfloat16' or 'float32', got {dense_dtype!r}")
     wanted = (canonical_dtype("/".join(QUANTISED_ALIASES.get(n, n) for n in expert_dtype.split("/")))
@@ -404,16 +406,17 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
     pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
     fmts = part_formats(pool_dtype)
+    mask = np.ones(E, bool) if experts is None else np.asarray(experts(E), bool)  # as `load_checkpoint`'s
     for t, m, part in expert_refs:
-        data = expert_storage(t, fmts["down" if part == "down" else "gate_up"].name)
+        data = expert_storage(t, fmts["down" if part == "down" else "gate_up"].name)  # [E, ...], as stored
         if part == "gate":
-            pool.gate_up[m, :, :F] = data
+            pool.gate_up[m, mask, :F] = data[mask]
         elif part == "up":
-            pool.gate_up[m, :, F:] = data
+            pool.gate_up[m, mask, F:] = data[mask]
         elif part == "gate_up":
-            pool.gate_up[m] = data
+            pool.gate_up[m, mask] = data[mask]
         else:
-            pool.down[m] = data
+            pool.down[m, mask] = data[mask]
     pool.freeze()
     params: dict[str, np.ndarray] = {}
     for p, (t, target) in param_refs.items():
@@ -427,7 +430,8 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
             params[p] = np.ascontiguousarray(arr.T if target[2] else arr)
     tokenizer = gguf_tokenizer(reader, path)
     return GGUFCheckpoint(cfg, params, pool, ckpt_dtype, path, "bfloat16" if packed else "float32",
-                          dense_formats(params), tokenizer=tokenizer, header_bytes=int(reader.data_offset))
+                          dense_formats(params), None if experts is None else mask, tokenizer=tokenizer,
+                          header_bytes=int(reader.data_offset))
 
 
 def packs(target: tuple) -> bool:

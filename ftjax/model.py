@@ -480,7 +480,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     owned = placement.local_experts if jax.process_count() > 1 and pol.name != "device" else None
     if model_dir.suffix == ".gguf" and not model_dir.is_dir():  # one GGUF file (ftjax.gguf_checkpoint)
         from ftjax.gguf_checkpoint import load_gguf
-        ckpt = load_gguf(model_dir, expert_dtype, dense_dtype)
+        ckpt = load_gguf(model_dir, expert_dtype, dense_dtype, experts=owned)
     else:
         ckpt = load_checkpoint(model_dir, expert_dtype, dense_dtype, experts=owned)
     cfg = ckpt.config

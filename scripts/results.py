@@ -625,6 +625,28 @@ def mesh_tables(run: Run):
     return [Table(run.name, header, rows, run)], []
 
 
+def processes_tables(run: Run):
+    """`scripts/bench_processes.py` lines: one process against several, per process."""
+    rows = []
+    for x in run.bench("processes"):
+        runs = x.get("runs")
+        one = Value(runs["1"]["processes"][0]["peak_rss_bytes"], x)
+        for n, r in runs.items():
+            for p in r["processes"]:
+                rss = Value(p["peak_rss_bytes"], x)
+                read = Value(p["pool_bytes_read"], x)
+                rows.append([Text(f"{n} (process {p['process']})"), read, Ratio(read, Value(p["pool_bytes"], x)),
+                             rss, Ratio(rss, one), Value(p["load_s"], x),
+                             Value(p["prefill_s"], x), Value(p["decode_tok_s"], x),
+                             Text("yes" if r["tokens_equal"] else "NO")])
+    if not rows:
+        return [], []
+    header = ["processes", "pool bytes read", "read / pool (ratio)", "peak RSS bytes", "RSS / one process (ratio)",
+              "load s",
+              "prefill s", "decode tok/s", "same tokens"]
+    return [Table(run.name, header, rows, run)], []
+
+
 def decode_gaps(runs: list[Run]) -> list[str]:
     have = set()
     for run in runs:
@@ -734,6 +756,14 @@ QUESTIONS = [
              "RAM: the step times show what the collective and the replicated attention cost, not a speed-up.",
              [mesh_tables],
              "`scripts/bench_mesh.py | tail -1 >> docs/results/mesh/DATE/mesh.jsonl`"),
+    Question("processes", "Experts split over several processes",
+             "One process, then two on localhost (`scripts/bench_processes.py`: `jax.distributed`, gloo, one CPU "
+             "device each, each process reading only the experts its device owns), on the OLMoE geometry with 4 "
+             "layers (`make_geometry_checkpoint.py --family olmoe --layers 4`), lru with 16 slots per device, pinned "
+             "bandwidths, a 128-token prompt and 16 greedy tokens. The processes share this machine's two cores: "
+             "the rates show the all-reduce between processes per MoE layer, not a speed-up.",
+             [processes_tables],
+             "`scripts/bench_processes.py --model DIR | tail -1 >> docs/results/processes/DATE/processes.jsonl`"),
     Question("compile", "Compile time of a fresh model",
              "XLA backend compile seconds of a fresh model's first prompt and first decode step, and the wall time of "
              "that first prompt (`scripts/bench_compile.py`; no persistent compilation cache).",

@@ -9,14 +9,16 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_models.py
 
 import pytest  # noqa: E402
 
-# Cross-product variants that run under `-m slow` only. The default suite keeps one
-# representative per axis (every family once, every policy once, every geometry kind
-# once), so it stays near 15 minutes on 2 cores; `pytest -m slow` runs these. Names are
+# Cross-product variants, and the heaviest single cases whose ground a default test
+# covers, run under `-m slow` only. The default suite keeps one representative per axis
+# (every family once, every policy once, every geometry kind once), so it stays near 15
+# minutes on 2 cores; `pytest -m slow` runs these. Names are
 # node ids (file::test[params]) relative to the repository root.
 SLOW_VARIANTS = {
     "tests/test_sessions.py": [f"{test}[{family}-{policy}]"
                                for test in ("test_session_api", "test_generate_many_equals_each_generate")
-                               for family in ("qwen2_moe", "mixtral", "olmoe") for policy in ("device", "host", "lru")],
+                               for family in ("qwen2_moe", "mixtral", "olmoe") for policy in ("device", "host", "lru")]
+                              + ["test_batched_decode_past_the_unrolled_size"],  # 8 and 16 rows at top-4 / top-8
     "tests/test_parity.py": [
         *(f"test_other_geometries[{p}]" for p in ("mixtral-overrides1", "qwen2_moe-overrides2", "olmoe-overrides3",
                                                   "qwen2_moe-overrides4", "qwen3_moe-overrides5",
@@ -28,7 +30,13 @@ SLOW_VARIANTS = {
         "test_fused_expert_layout[mixtral]", "test_fused_expert_layout[qwen3_next]"],
     "tests/test_serve_robustness.py": [f"test_concurrent_distinct_and_shared_prefix_requests_all_answered[{mode}]"
                                        for mode in ("off", "prefix")],  # semantic runs by default
-    "tests/test_glm_dsa.py": ["test_tied_selections_match_transformers_and_every_chunking[h2-d32-q20]"],
+    "tests/test_glm_dsa.py": ["test_tied_selections_match_transformers_and_every_chunking[h2-d32-q20]",
+                              "test_tied_selections_match_transformers_and_every_chunking[h4]"],
+    "tests/test_engine_faults.py": ["test_shared_prefix_requests_all_end_with_cold_tokens[off]"],
+    # the elastic cache bucket by bucket over the whole context (test_yielding_... covers the bytes given back)
+    "tests/test_memory.py": ["test_growing_session_shrinks_the_expert_cache_with_unchanged_tokens"],
+    # process 0 dying end to end (test_exit_on_abort... covers the abort's message and status)
+    "tests/test_distributed.py": ["test_when_process_0_dies_the_others_say_so_and_exit"],
     "tests/test_deltanet.py": ["test_policies_match_transformers[device]", "test_policies_match_transformers[host]"],
     "tests/test_deepseek.py": ["test_policies_match_transformers[host]", "test_other_geometries[overrides1]"],
     "tests/test_executor.py": ["test_policies_compute_the_device_function[qwen2_moe-lru-transfer-only]",

@@ -128,6 +128,23 @@ def test_q4_k_experts_kept_as_stored(tiny_q4_k):
         ftjax.load(path, expert_dtype="int4")
 
 
+def test_a_process_reads_only_its_experts(tiny_q4_k):
+    """`experts=` (one of several processes: the experts its devices own): the GGUF and
+    the HF folder fill exactly those rows, as stored, and leave the others unread."""
+    from ftjax.checkpoint import load_checkpoint
+    from ftjax.gguf_checkpoint import load_gguf
+
+    folder, path = tiny_q4_k
+    for load, src, kw in ((load_gguf, path, {}), (load_checkpoint, folder, {"expert_dtype": "q4_k"})):
+        whole = load(src, **kw)
+        mine = load(src, experts=lambda E: np.arange(E) % 2 == 1, **kw)
+        E = whole.config.num_experts
+        assert whole.experts_read is None and list(mine.experts_read.nonzero()[0]) == list(range(1, E, 2))
+        for part in ("gate_up", "down"):
+            got, want = getattr(mine.pool, part), getattr(whole.pool, part)
+            np.testing.assert_array_equal(got[:, 1::2], want[:, 1::2])
+
+
 @pytest.mark.parametrize("policy", ["device", "host"])
 def test_q4_k_m_experts(tiny_q4_k, tmp_path_factory, policy):
     """llama.cpp's Q4_K_M expert mix (Q4_K gate / up, Q6_K down; the file written through
