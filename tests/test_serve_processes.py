@@ -154,3 +154,25 @@ def test_a_follower_scheduler_replays_every_decision_of_the_leader(tmp_path):
                                    "tokens": r["leader"]["idle"]["tokens"]}
     assert r["follower_jobs_alive"] == 0 and r["cache"][0] == r["cache"][1]
     assert r["diverged"] == "process 0: job 99 produced token 6 where process 0's job 99 produced 5"
+
+
+def test_stopping_process_0_stops_the_others_cleanly(tmp_path):
+    """SIGTERM to process 0: it drains, tells the followers to stop and waits for them, so
+    every process ends cleanly (a follower still connected when process 0 ends would be
+    aborted by its coordination client)."""
+    coordinator, http_port = serving.free_port(), serving.free_port()
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [start_serving(coordinator, http_port, i, logs[i]) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not serving.healthy(http_port):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[1].read_text()[-3000:]
+            time.sleep(0.3)
+        post(http_port, "/v1/chat/completions", {"messages": [{"role": "user", "content": ASKS[0]}], "max_tokens": 4})
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(120) for p in procs]  # uvicorn re-raises the signal it handled: -15 is a clean stop
+        assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, [log.read_text()[-2000:] for log in logs]
+        assert "error" not in logs[1].read_text()
+    finally:
+        for p in procs:
+            p.kill()

@@ -48,6 +48,7 @@ import base64
 import collections
 import contextlib
 import json
+import time
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from ftjax.engine.scheduler import Job, Scheduler
 
 BLOCK = 256  # records per key directory: the unit the leader deletes
+DONE_GRACE_S = 0.5  # between the followers' last word and this process's end
 POLL_MS = 1000  # a follower's wait for the next record, between checks that the leader is alive
 _PREFIX = "ftjax/replica"
 
@@ -186,11 +188,20 @@ class Leader:
                                        f"{', '.join(map(str, sorted(gone)))} is gone; the model cannot run "
                                        f"without it")
 
-    def stop(self) -> None:
-        """The last record (once): followers return from `follow`."""
-        if not self.stopped:
-            self.stopped = True
-            self.publish({"k": "stop"})
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """The last record (once): followers return from `follow`. Waits (up to
+        `timeout_s`) for each to say it is done: the coordination service lives in this
+        process, and a follower still connected when it goes is aborted by its client."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.publish({"k": "stop"})
+        for pid in range(1, self.processes):
+            try:
+                self.client.blocking_key_value_get(f"{_PREFIX}_done/{pid}", int(timeout_s * 1000))
+            except Exception:
+                pass  # gone already, or slow: this process stops either way
+        time.sleep(DONE_GRACE_S)  # a follower exits right after its last word: let it be gone first
 
 
 class Follower:
@@ -251,6 +262,11 @@ class Follower:
         if self.seq % BLOCK == 0:
             self.client.key_value_set(f"{_PREFIX}_ack/{self.pid}", str(self.seq), allow_overwrite=True)
         return json.loads(record)
+
+    def done(self) -> None:
+        """After the leader's stop, the last word: the leader may now end (and the
+        coordination service with it), so this process must exit right after."""
+        self.client.key_value_set(f"{_PREFIX}_done/{self.pid}", "ok")
 
     def _lost(self, e: Exception) -> distributed.PeerLost:
         return distributed.PeerLost(f"process {self.pid}: process 0 (the leader) is gone "

@@ -213,7 +213,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftj
     if role is not None and role.follower:
         print(f"ftjax serve: process {role.pid} runs process 0's steps", file=sys.stderr, flush=True)
         engine.follow()
-        return
+        role.done()
+        distributed.exit(0)  # now, before process 0 (and the coordination service) is gone
     engine.start()
     cache = f"state cache {state_cache.mode}" if state_cache is not None else "no state cache"
     print(f"ftjax serve: {model_id} (context {engine.context}, max batch {max_batch}, {cache}) on http://{host}:{port} "
