@@ -35,6 +35,21 @@ def start_serving(coordinator: int, http_port: int, process_id: int, log: Path, 
                             cwd=HERE.parent, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
+def serving_pair(tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path], int]:
+    """Both processes of a server, once process 0 answers /health -> (processes, logs, its port)."""
+    coordinator, http_port = serving.free_port(), serving.free_port()
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = [start_serving(coordinator, http_port, i, logs[i]) for i in range(2)]
+    deadline = time.time() + 300
+    while not serving.healthy(http_port):
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            raise AssertionError("the server did not come up:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
+        time.sleep(0.3)
+    return procs, logs, http_port
+
+
 def post(port: int, path: str, body: dict) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.request("POST", path, json.dumps({"model": "ftjax-default", **body}), {"Content-Type": "application/json"})
@@ -83,14 +98,8 @@ def answers(port: int) -> list:
 def test_serve_over_two_processes_answers_as_one_and_ends_when_a_follower_dies(tmp_path):
     with serving.server(*SERVE, "--state-cache", "off") as port:
         want = answers(port)
-    coordinator, http_port = serving.free_port(), serving.free_port()
-    logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [start_serving(coordinator, http_port, i, logs[i]) for i in range(2)]
+    procs, logs, http_port = serving_pair(tmp_path)
     try:
-        deadline = time.time() + 300
-        while not serving.healthy(http_port):
-            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
-            time.sleep(0.3)
         assert answers(http_port) == want
         again = post(http_port, "/v1/chat/completions", {"messages": [{"role": "user", "content": ASKS[0]}],
                                                           "max_tokens": 16, "temperature": 0})
@@ -160,14 +169,8 @@ def test_stopping_process_0_stops_the_others_cleanly(tmp_path):
     """SIGTERM to process 0: it drains, tells the followers to stop and waits for them, so
     every process ends cleanly (a follower still connected when process 0 ends would be
     aborted by its coordination client)."""
-    coordinator, http_port = serving.free_port(), serving.free_port()
-    logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [start_serving(coordinator, http_port, i, logs[i]) for i in range(2)]
+    procs, logs, http_port = serving_pair(tmp_path)
     try:
-        deadline = time.time() + 300
-        while not serving.healthy(http_port):
-            assert time.time() < deadline and all(p.poll() is None for p in procs), logs[1].read_text()[-3000:]
-            time.sleep(0.3)
         post(http_port, "/v1/chat/completions", {"messages": [{"role": "user", "content": ASKS[0]}], "max_tokens": 4})
         procs[0].send_signal(signal.SIGTERM)
         codes = [p.wait(120) for p in procs]  # uvicorn re-raises the signal it handled: -15 is a clean stop
