@@ -1,6 +1,6 @@
 """`ftjax serve` over two processes (`engine.replica`): process 0 serves, process 1 runs
-its steps; concurrent requests (stop strings, forced tool calls, state-cache hits, a
-client that disconnects) get the single-process answers; a follower that dies ends the
+its steps; requests one at a time and concurrent (stop strings, forced tool calls,
+state-cache hits, a client that disconnects) get the same answers, one process's; a follower that dies ends the
 request in flight with an error naming it and the server exits; a follower started
 with other settings is refused, by name, before any step; a leader and a follower
 scheduler replay every kind of decision to the same state."""
@@ -76,8 +76,9 @@ ADD = {"type": "function", "function": {"name": "add", "description": "add two n
                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
 
 
-def answers(port: int) -> list:
-    """Concurrent requests (greedy chats, one with a stop string, one with a forced tool call)."""
+def answers(port: int, concurrent: bool = True) -> list:
+    """Greedy chats, one with a stop string, one with a forced tool call; concurrent, or one
+    after another."""
     bodies = [{"messages": [{"role": "user", "content": a}], "max_tokens": 16, "temperature": 0} for a in ASKS]
     bodies[1]["stop"] = ["."]
     bodies[3].update(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=24)
@@ -87,6 +88,10 @@ def answers(port: int) -> list:
         m = post(port, "/v1/chat/completions", bodies[i])["choices"][0]
         got[i] = (m["message"]["content"], [c["function"]["name"] for c in m["message"].get("tool_calls") or []],
                   m["finish_reason"])
+    if not concurrent:
+        for i in range(len(bodies)):
+            ask(i)
+        return got
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
@@ -96,10 +101,15 @@ def answers(port: int) -> list:
 
 
 def test_serve_over_two_processes_answers_as_one_and_ends_when_a_follower_dies(tmp_path):
-    with serving.server(*SERVE, "--state-cache", "off") as port:
-        want = answers(port)
+    import ftjax
+
+    model = ftjax.load(policy="lru", numerics="exact", cache_slots=8, bandwidth=(1.0, 1.0))
+    first = model.tokenizer.decode(model.generate(model.tokenizer.encode_chat(
+        [{"role": "user", "content": ASKS[0]}]), 16)).strip()
     procs, logs, http_port = serving_pair(tmp_path)
     try:
+        want = answers(http_port, concurrent=False)  # one at a time, then together: the batch changes nothing
+        assert want[0][0] == first  # and the first is what one process generates
         assert answers(http_port) == want
         again = post(http_port, "/v1/chat/completions", {"messages": [{"role": "user", "content": ASKS[0]}],
                                                           "max_tokens": 16, "temperature": 0})

@@ -125,6 +125,7 @@ class Leader:
                     f"process {pid} did not start its scheduler within {timeout_s:g} s "
                     f"({distributed.first_line(e)})") from e
             if verdict != "ok":
+                time.sleep(DONE_GRACE_S)  # it exits after its verdict: before the coordination service goes
                 raise distributed.DistributedError(f"process {pid} refused process 0's scheduler: {verdict}")
 
     def publish(self, decision: dict) -> None:
