@@ -54,7 +54,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from ftjax.config import ConfigError, ModelConfig, read_config_json, validate
-from ftjax.experts.pool import HostExpertPool
+from ftjax.experts.pool import HostExpertPool, fill_rows
 from ftjax.experts.storage import (BLOCK_FORMATS, FP8_BLOCK, FORMATS, QUANTISED_ALIASES, fp8_blocks, part_formats,
                                    pool_format)
 from ftjax.models import config_from_hf, family
@@ -563,9 +563,9 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
             params[path] = np.ascontiguousarray(arr.T if hit[0][2] else arr)
         progress.update(ref.nbytes)
     fmts = part_formats(pool_dtype)
-    mask = np.ones(E, bool) if experts is None else np.asarray(experts(E), bool)
+    mask = None if experts is None else np.asarray(experts(E), bool)
     for ref, m, expert, part in expert_refs:
-        if expert is not None and not mask[expert]:
+        if expert is not None and mask is not None and not mask[expert]:
             progress.update(ref.nbytes)
             continue  # another process's expert
         data = _expert_storage(ref, fmts["down" if part.startswith("down") else "gate_up"].name)
@@ -576,14 +576,14 @@ def load_checkpoint(model_dir: str | Path, expert_dtype: str | None = None,
         elif part == "down":
             pool.down[m, expert] = data
         elif part == "gate_up":
-            pool.gate_up[m, mask] = data[mask]
+            fill_rows(pool.gate_up[m], data, mask)
         else:
-            pool.down[m, mask] = data[mask]
+            fill_rows(pool.down[m], data, mask)
         progress.update(ref.nbytes)
     progress.close()
     pool.freeze()
     return Checkpoint(cfg, params, pool, ckpt_dtype, model_dir, "bfloat16" if packed else "float32",
-                      dense_formats(params), None if experts is None else mask)
+                      dense_formats(params), mask)
 
 
 def dense_formats(params: dict) -> str | None:

@@ -128,18 +128,29 @@ def live_processes() -> list[int]:
     return sorted(int(i) for i in client.get_live_nodes(ids))
 
 
+def gone_processes() -> set[int]:
+    """The process ids the coordination service no longer sees alive."""
+    return set(range(jax.process_count())) - set(live_processes())
+
+
+def peer_lost(gone: set[int], cause: str) -> PeerLost:
+    """`PeerLost` from this process's view: which processes are gone, and how it showed."""
+    names = ", ".join(str(i) for i in sorted(gone))
+    return PeerLost(f"process {jax.process_index()} of {jax.process_count()}: process {names} is gone ({cause}); "
+                    f"this process cannot continue without it")
+
+
 def step_error(error: Exception) -> Exception:
     """What a failed step means when several processes run the model: `PeerLost`
     naming the processes that are gone (the coordination service's view, polled up to
     the timeout), or the error itself when every process is still there."""
     if not active() or isinstance(error, DistributedError):
         return error
-    everyone = set(range(jax.process_count()))
     deadline = time.monotonic() + _timeout_s
     gone: set[int] = set()
     while time.monotonic() < deadline:
         try:
-            gone = everyone - set(live_processes())
+            gone = gone_processes()
         except Exception as e:  # the coordinator itself is gone (it runs in process 0)
             gone = {0} if jax.process_index() != 0 else set()
             if gone:
@@ -153,10 +164,7 @@ def step_error(error: Exception) -> Exception:
         time.sleep(0.5)
     if not gone:
         return error
-    names = ", ".join(str(i) for i in sorted(gone))
-    return PeerLost(f"process {jax.process_index()} of {jax.process_count()}: process {names} is gone "
-                    f"(the step's collective failed: {first_line(error)}); this process cannot continue "
-                    f"without it")
+    return peer_lost(gone, f"the step's collective failed: {first_line(error)}")
 
 
 def exit(code: int = EXIT_CODE) -> NoReturn:  # noqa: A001 (the process exits: the name says it)

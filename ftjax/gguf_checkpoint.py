@@ -100,7 +100,7 @@ from gguf import MODEL_TENSOR as T
 from ftjax.checkpoint import DENSE_BLOCK_FORMATS, Checkpoint, CheckpointError, classify, dense_formats, expected_param_shapes, hf_name, \
     load_checkpoint, model_config, quantisable
 from ftjax.config import ConfigError, ModelConfig
-from ftjax.experts.pool import HostExpertPool
+from ftjax.experts.pool import HostExpertPool, fill_rows
 from ftjax.experts.storage import (BLOCK_FORMATS, FORMATS, QUANTISED_ALIASES, canonical_dtype, part_formats,
                                    pool_format, tagged_k_blocks)
 from ftjax.models.ops import QuantMatrix
@@ -406,17 +406,12 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     Lm, E, D, F = cfg.num_moe_layers, cfg.num_experts, cfg.d_model, cfg.d_ff_expert
     pool = HostExpertPool.allocate(Lm, E, D, F, pool_dtype)
     fmts = part_formats(pool_dtype)
-    mask = np.ones(E, bool) if experts is None else np.asarray(experts(E), bool)  # as `load_checkpoint`'s
+    mask = None if experts is None else np.asarray(experts(E), bool)  # as `load_checkpoint`'s
     for t, m, part in expert_refs:
         data = expert_storage(t, fmts["down" if part == "down" else "gate_up"].name)  # [E, ...], as stored
-        if part == "gate":
-            pool.gate_up[m, mask, :F] = data[mask]
-        elif part == "up":
-            pool.gate_up[m, mask, F:] = data[mask]
-        elif part == "gate_up":
-            pool.gate_up[m, mask] = data[mask]
-        else:
-            pool.down[m, mask] = data[mask]
+        dst = {"gate": pool.gate_up[m, :, :F], "up": pool.gate_up[m, :, F:], "gate_up": pool.gate_up[m]}.get(
+            part, pool.down[m])
+        fill_rows(dst, data, mask)
     pool.freeze()
     params: dict[str, np.ndarray] = {}
     for p, (t, target) in param_refs.items():
@@ -430,7 +425,7 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
             params[p] = np.ascontiguousarray(arr.T if target[2] else arr)
     tokenizer = gguf_tokenizer(reader, path)
     return GGUFCheckpoint(cfg, params, pool, ckpt_dtype, path, "bfloat16" if packed else "float32",
-                          dense_formats(params), None if experts is None else mask, tokenizer=tokenizer,
+                          dense_formats(params), mask, tokenizer=tokenizer,
                           header_bytes=int(reader.data_offset))
 
 

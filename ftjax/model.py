@@ -88,8 +88,13 @@ class Model:
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.model_type}, {c.num_layers} layers, {c.num_experts} experts top-{c.top_k}, "
-                f"policy={self.policy!r}, cache_slots={self._steps.executor.slots}, max_seq_len={self.max_seq_len}, "
+                f"policy={self.policy!r}, cache_slots={self.cache_slots}, max_seq_len={self.max_seq_len}, "
                 f"path={str(self.checkpoint.path)!r})")
+
+    @property
+    def cache_slots(self) -> int:
+        """Device expert-cache slots (per device on a mesh; 0: no cache)."""
+        return self._steps.executor.slots
 
     # ---- validation ------------------------------------------------------------------------
     def check_ids(self, ids: Sequence[int]) -> np.ndarray:
@@ -309,7 +314,7 @@ class Model:
         hits, fetched, host, streamed = (int(counts[c]) for c in (HIT, FETCHED, HOST, STREAMED))
         t = self._telemetry.timing
         return {
-            "policy": self.policy, "cache_slots": self._steps.executor.slots, "numerics": self.numerics,
+            "policy": self.policy, "cache_slots": self.cache_slots, "numerics": self.numerics,
             "kv_dtype": jnp.dtype(self.kv_dtype).name, "host_overlap": self._steps.executor.host_pair is not None,
             "host_isa": None if self._host is None else self._host.isa.name.lower(),
             "selections": hits + fetched + host + streamed, "hits": hits, "misses": fetched + host + streamed,
@@ -335,7 +340,7 @@ class Model:
             mine = owner == d
             counts = by_expert[:, mine].sum(axis=1) if by_expert is not None else np.zeros(5, np.int64)
             hits, fetched, host, streamed = (int(counts[c]) for c in (HIT, FETCHED, HOST, STREAMED))
-            out.append({"device": device, "experts_owned": int(mine.sum()), "cache_slots": self._steps.executor.slots,
+            out.append({"device": device, "experts_owned": int(mine.sum()), "cache_slots": self.cache_slots,
                         "hits": hits, "fetched": fetched, "host_computed": host, "streamed": streamed,
                         "hit_rate": round(hits / max(1, hits + fetched + host + streamed), 4),
                         "bytes_fetched": fetched * self.checkpoint.pool.expert_bytes})

@@ -183,11 +183,9 @@ class Leader:
 
     def check_peers(self) -> None:
         """Raise `PeerLost` naming the processes the coordination service no longer sees."""
-        gone = set(range(self.processes)) - set(distributed.live_processes())
+        gone = distributed.gone_processes()
         if gone:
-            raise distributed.PeerLost(f"process 0 of {self.processes}: process "
-                                       f"{', '.join(map(str, sorted(gone)))} is gone; the model cannot run "
-                                       f"without it")
+            raise distributed.peer_lost(gone, "the coordination service no longer sees it")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """The last record (once): followers return from `follow`. Waits (up to
@@ -254,10 +252,10 @@ class Follower:
                     raise distributed.DistributedError(f"process {self.pid}: process 0 sent no scheduler "
                                                        f"settings within {timeout_s:g} s") from e
                 try:
-                    alive = 0 in distributed.live_processes()
+                    gone = 0 in distributed.gone_processes()
                 except Exception as err:
                     raise self._lost(err) from err
-                if not alive:
+                if gone:
                     raise self._lost(e)
         self.seq += 1
         if self.seq % BLOCK == 0:

@@ -263,7 +263,7 @@ class Scheduler:
         """End every queued and running job with `reason` (a shutdown past its deadline).
         Takes the step lock: returns once the engine thread is between steps."""
         with self.lock:
-            if self.replica is not None and not self.replica.follower:
+            if self.leading:
                 self.replica.publish({"k": "fail_all", "reason": reason})
             self._fail_all(reason, None)
 
@@ -281,6 +281,11 @@ class Scheduler:
     def pending(self) -> int:
         """Jobs queued, prefilling or decoding."""
         return self._queued() + (self._prefill is not None) + sum(r is not None for r in self._rows)
+
+    @property
+    def leading(self) -> bool:
+        """Process 0 of several: its decisions go to the others (`engine.replica`)."""
+        return self.replica is not None and not self.replica.follower
 
     def _queued(self) -> int:
         return len(self._queue) + sum(not j.idle for j in self._inbox)
@@ -314,7 +319,7 @@ class Scheduler:
     def _watch_peers(self) -> None:
         """Several processes, nothing to do: every PEER_CHECK_S, check that the others are
         still there (a lost one is found here rather than by the next request)."""
-        if self.replica is None or time.monotonic() - self._peers_checked < PEER_CHECK_S:
+        if time.monotonic() - self._peers_checked < PEER_CHECK_S:
             return
         self._peers_checked = time.monotonic()
         try:
@@ -745,9 +750,7 @@ class Scheduler:
         ids = np.asarray(out)  # the one host sync per step
         m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
         self._counts["steps"] += 1
-        batched = self.replica.batched() if self.replica is not None and not self.replica.follower else \
-            contextlib.nullcontext()
-        with batched:  # several processes: the rows' answers as one record
+        with self.replica.batched() if self.leading else contextlib.nullcontext():  # the rows' answers: one record
             for b in live:
                 r = rows[b]
                 r.pos += 1

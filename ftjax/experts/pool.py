@@ -45,6 +45,16 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
     return raw[offset : offset + num_bytes].view(dtype).reshape(shape)
 
 
+def fill_rows(dst: np.ndarray, data: np.ndarray, rows: np.ndarray | None) -> None:
+    """dst[:] = data along the leading (expert) axis; with `rows` (bool [E]) only those
+    rows, read from `data` and written (a memmap's other rows are not read, the pool's
+    not touched)."""
+    if rows is None:
+        dst[...] = data
+    else:
+        dst[rows] = data[rows]
+
+
 def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
     return a.size == 0 or a.ctypes.data % alignment == 0  # an empty pool (all-dense model) has no data
 

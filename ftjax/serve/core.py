@@ -384,7 +384,7 @@ class Engine:
         """What every process of a replicated engine must agree on (`engine.replica`)."""
         m, cache = self.model, self.state_cache
         return {"model": m.fingerprint, "policy": m.policy, "max_seq_len": m.max_seq_len, "numerics": m.numerics,
-                "cache_slots": m._steps.executor.slots, "max_batch": self.scheduler.max_batch,
+                "cache_slots": m.cache_slots, "max_batch": self.scheduler.max_batch,
                 "prefill_chunk": self.scheduler.prefill_chunk,
                 "state_cache": None if cache is None else [cache.mode, cache.budget["device"], cache.budget["host"]],
                 **extra}
@@ -424,7 +424,7 @@ class Engine:
             self._drain_timer.cancel()
         if not self._thread.is_alive():
             self.scheduler.fail_pending("error: ServerShutdown: the server stopped before the request finished")
-        if self.replica is not None and not self.replica.follower and self.scheduler.lost is None:
+        if self.scheduler.leading and self.scheduler.lost is None:
             self.replica.stop()  # the followers' steps end here too
         if self.state_cache is not None and not self._thread.is_alive():
             cache, self.state_cache = self.state_cache, None
