@@ -95,6 +95,13 @@ def amx_bf16_status() -> str:
     return _hk.amx_bf16_status()
 
 
+def amx_int8_status() -> str:
+    """'' when AMX-INT8 tiles run here (the same checks, its own CPUID bit and a Q8_0
+    product against the integer reference), else the reason they do not. Q8_0 expert
+    prefill takes them under AMX_BF16 (`takes_amx_tiles`)."""
+    return _hk.amx_int8_status()
+
+
 def has_avx2() -> bool:
     return _hk.has_avx2()
 
@@ -151,14 +158,16 @@ def expert_isa(numerics: str) -> Isa:
 
 def isa_report() -> dict[str, str]:
     """What the kernels run with on this machine, for benchmark lines and `ftjax profile`:
-    the exact ISA AUTO means, and the AMX self-check ("ok" or why not)."""
-    return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok"}
+    the exact ISA AUTO means, and the AMX self-checks ("ok" or why not)."""
+    return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok",
+            "amx_int8": amx_int8_status() or "ok"}
 
 
-def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, bf16_experts: bool) -> bool:
-    """Whether an expert FFN call multiplies on AMX tiles (bf16-rounded activations): the
+def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:
+    """Whether an expert FFN call of `dtype` experts (a pool format name) multiplies on AMX
+    tiles: bf16 (activations rounded to bf16) or Q8_0 (the exact path's int8 sums); the
     kernel's own rule (host_kernels/expert_ffn.cc `expert_ffn_takes_tiles`)."""
-    wtype = _hk.DTYPE_BF16 if bf16_experts else _hk.DTYPE_F32
+    wtype = WEIGHT_TYPE_CODES.get(dtype, _hk.DTYPE_F32)
     return _hk.expert_ffn_takes_tiles(resolve_isa(isa).value, wtype, wtype, d_model, d_ff, num_tokens)
 
 
@@ -580,7 +589,7 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
 
     d_ff = gate_up.shape[-2] // 2
     bf16 = all(np.asarray(a).dtype == np.uint16 for a in parts.values())
-    tiles = takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, bf16)
+    tiles = not fmts and takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, "bfloat16" if bf16 else "float32")
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -9,6 +10,8 @@
 
 #if defined(__x86_64__) && defined(__linux__)
 
+#pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's avx512 intrinsics, see kernels_avx512.cc
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <cerrno>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -74,11 +77,18 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const ARows& a, cons
   }
 }
 
-__attribute__((target("amx-tile"))) void load_config() {
+// bf16: every tile 16 x 64 bytes. int8: C tiles 0 and 3 16 x 64 bytes (16 x 16 int32), A
+// tiles 1 and 4 16 x 32 (one Q8_0 block of 16 rows), B tiles 2 and 5 8 x 64 (one ActQ8
+// block of 16 tokens).
+__attribute__((target("amx-tile"))) void load_config(AmxTiles tiles) {
   alignas(64) TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kAmxRows;
     cfg.colsb[t] = 64;
+  }
+  if (tiles == AmxTiles::kInt8) {
+    cfg.colsb[1] = cfg.colsb[4] = 32;
+    cfg.rows[2] = cfg.rows[5] = 8;
   }
   // not _tile_loadconfig: GCC 12's macro names only 8 bytes of the operand, so the
   // stores filling the rest of the struct may be dropped as dead
@@ -91,6 +101,14 @@ uint64_t xcr0() {
   uint32_t lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+// Why a self-check product's element (row r, token j) is wrong, or "": within 1e-5 of the
+// sum of its terms' magnitudes from the reference.
+std::string differs(float got, double ref, double mag, int64_t r, int64_t j) {
+  if (std::fabs(got - ref) <= 1e-5 * mag + 1e-6) return "";
+  return "the self-check product differs from the reference (row " + std::to_string(r) + ", token " +
+         std::to_string(j) + ": " + std::to_string(got) + " vs " + std::to_string(ref) + ")";
 }
 
 // A 32-row x 64 product of 20 tokens (two row blocks, a partial second token block)
@@ -127,24 +145,29 @@ std::string check_product() {
         ref += p;
         mag += std::fabs(p);
       }
-      if (std::fabs(out[r * stride + j] - ref) > 1e-5 * mag + 1e-6)
-        return "the self-check product differs from the reference (row " + std::to_string(r) + ", token " +
-               std::to_string(j) + ": " + std::to_string(out[r * stride + j]) + " vs " + std::to_string(ref) + ")";
+      const std::string wrong = differs(out[r * stride + j], ref, mag, r, j);
+      if (!wrong.empty()) return wrong;
     }
   return "";
 }
 
-std::string check() {
+// "" when this process may use tiles whose CPUID bit (leaf 7, EDX) is `feature`.
+std::string tile_permission(int feature, const char* name) {
   uint32_t a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
-    return "the CPU reports no AMX-TILE / AMX-BF16 (CPUID leaf 7)";
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << feature)))
+    return std::string("the CPU reports no AMX-TILE / ") + name + " (CPUID leaf 7)";
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27)))
     return "the OS has not enabled XSAVE (no OSXSAVE)";
   if ((xcr0() & (3u << 17)) != (3u << 17)) return "the OS has not enabled the tile state (XCR0 bits 17-18)";
   constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
   if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) != 0)
     return std::string("Linux refused tile data to this process (arch_prctl: ") + std::strerror(errno) + ")";
-  return check_product();
+  return "";
+}
+
+std::string check() {
+  const std::string denied = tile_permission(22, "AMX-BF16");
+  return denied.empty() ? check_product() : denied;
 }
 
 // amx_pack with AVX512-BF16 (every AMX CPU has it): each token's 32 values of a tile
@@ -194,7 +217,7 @@ const std::string& amx_bf16_status() {
   return status;
 }
 
-AmxScope::AmxScope() { load_config(); }
+AmxScope::AmxScope(AmxTiles tiles) { load_config(tiles); }
 AmxScope::~AmxScope() { release_tiles(); }
 
 void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed, int64_t blocks,
@@ -230,6 +253,148 @@ void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const u
   }
 }
 
+// ---- AMX-INT8: Q8_0 rows (amx.h) --------------------------------------------------------
+
+namespace {
+
+#define FTJAX_AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,f16c")))
+
+// dw[b * 16 + m] = the scale of block b of row m, for the 16 rows at `rows`.
+FTJAX_AMX_INT8 void row_scales(const uint8_t* rows, int64_t row_bytes, int64_t nb, float* dw) {
+  for (int64_t m = 0; m < kAmxRows; ++m) {
+    const uint8_t* row = rows + m * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint16_t h;
+      std::memcpy(&h, row + b * int64_t(sizeof(BlockQ8_0)), sizeof h);
+      dw[b * kAmxRows + m] = _cvtsh_ss(h);
+    }
+  }
+}
+
+// acc[m][j] += d_w[m] * d_x[j] * c[m][j], c one stored C tile (16 x 16 int32).
+FTJAX_AMX_INT8 __attribute__((always_inline)) inline void scale_into(__m512 (&acc)[kAmxRows], const int32_t* c,
+                                                                     const uint8_t* step, const float* dw) {
+  const __m512 dx = _mm512_load_ps(reinterpret_cast<const float*>(step + 8 * 64));
+#pragma GCC unroll 16
+  for (int m = 0; m < kAmxRows; ++m) {
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c + m * kAmxRows));
+    acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(sums, dx), _mm512_set1_ps(dw[m]), acc[m]);
+  }
+}
+
+// out[m * out_stride + j] = row_m . token_j, 16 rows x one block of 16 tokens, K / 32 blocks:
+// two blocks per iteration, in C tiles 0 and 3, each scaled into the float accumulators
+// once stored. `next` (or nullptr): the 16 rows after these in memory, prefetched a
+// block's share per block, so their bytes arrive while these multiply (without, the
+// first read of each row block stalled on memory: a fifth of a layer's time on one
+// core). A prefetch never faults, so `next` may lie past the caller's rows.
+FTJAX_AMX_INT8 void q8_pass(const uint8_t* rows, int64_t row_bytes, const float* dw, const uint8_t* tokens,
+                            int64_t nb, float* out, int64_t out_stride, const uint8_t* next) {
+  constexpr int64_t kBlock = sizeof(BlockQ8_0);
+  alignas(64) int32_t c[2][kAmxRows * kAmxRows];
+  __m512 acc[kAmxRows];
+  for (int m = 0; m < kAmxRows; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* q = rows + offsetof(BlockQ8_0, qs);
+  const int64_t share = kAmxRows * kBlock;  // next's bytes per block: 16 rows of row_bytes
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    if (next != nullptr)
+      for (int64_t o = 0; o < 2 * share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * share + o), _MM_HINT_T0);
+    _tile_zero(0);
+    _tile_loadd(1, q + b * kBlock, row_bytes);
+    _tile_loadd(2, tokens + b * kAmxQ8StepBytes, 64);
+    _tile_dpbssd(0, 1, 2);
+    _tile_zero(3);
+    _tile_loadd(4, q + (b + 1) * kBlock, row_bytes);
+    _tile_loadd(5, tokens + (b + 1) * kAmxQ8StepBytes, 64);
+    _tile_dpbssd(3, 4, 5);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(3, c[1], 64);
+    scale_into(acc, c[0], tokens + b * kAmxQ8StepBytes, dw + b * kAmxRows);
+    scale_into(acc, c[1], tokens + (b + 1) * kAmxQ8StepBytes, dw + (b + 1) * kAmxRows);
+  }
+  if (b < nb) {
+    _tile_zero(0);
+    _tile_loadd(1, q + b * kBlock, row_bytes);
+    _tile_loadd(2, tokens + b * kAmxQ8StepBytes, 64);
+    _tile_dpbssd(0, 1, 2);
+    _tile_stored(0, c[0], 64);
+    scale_into(acc, c[0], tokens + b * kAmxQ8StepBytes, dw + b * kAmxRows);
+  }
+  for (int m = 0; m < kAmxRows; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
+}
+
+// 32 rows x 64 (two Q8_0 blocks, q at the int8 extremes included) x 20 tokens (a partial
+// second token block) against doubles: the integer block sums times both scales.
+std::string check_q8_product() {
+  constexpr int64_t R = 32, K = 64, N = 20, nb = K / kQuantBlock;
+  constexpr uint16_t kHalves[3] = {0x3C00, 0x3800, 0x2E66};  // 1, 0.5, ~0.1
+  std::vector<BlockQ8_0> w(R * nb);
+  for (int64_t i = 0; i < R * nb; ++i) {
+    w[i].d = kHalves[i % 3];
+    for (int k = 0; k < kQuantBlock; ++k) w[i].qs[k] = static_cast<int8_t>((i * 37 + k * 11) % 256 - 128);
+  }
+  std::vector<float> x(N * K);
+  for (int64_t i = 0; i < N * K; ++i) x[i] = std::cos(0.11f * i + 0.3f);
+  std::vector<ActQ8> acts(N * nb);
+  quantise_act_q8(x.data(), N * K, acts.data(), false);
+  std::vector<const ActQ8*> vecs(N);
+  for (int64_t j = 0; j < N; ++j) vecs[j] = acts.data() + j * nb;
+  std::vector<uint8_t> packed(amx_q8_packed_bytes(N, K) + 64);
+  uint8_t* aligned = packed.data() + (-reinterpret_cast<intptr_t>(packed.data()) & 63);
+  amx_q8_pack(vecs.data(), N, K, aligned);
+  const int64_t blocks = (N + kAmxRows - 1) / kAmxRows, stride = blocks * kAmxRows;
+  std::vector<float> out(R * stride);
+  {
+    AmxScope scope(AmxTiles::kInt8);
+    amx_q8_dots(reinterpret_cast<const uint8_t*>(w.data()), nb * sizeof(BlockQ8_0), R, aligned, blocks, K,
+                out.data(), stride);
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < N; ++j) {
+      double ref = 0, mag = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const BlockQ8_0& wb = w[r * nb + b];
+        const ActQ8& xb = acts[j * nb + b];
+        int64_t sum = 0;
+        for (int k = 0; k < kQuantBlock; ++k) sum += int64_t(wb.qs[k]) * xb.qs[k];
+        const double term = static_cast<double>(half_to_float(wb.d)) * xb.d * sum;
+        ref += term;
+        mag += std::fabs(term);
+      }
+      const std::string wrong = differs(out[r * stride + j], ref, mag, r, j);
+      if (!wrong.empty()) return wrong;
+    }
+  return "";
+}
+
+std::string check_int8() {
+  const std::string denied = tile_permission(25, "AMX-INT8");
+  return denied.empty() ? check_q8_product() : denied;
+}
+
+}  // namespace
+
+const std::string& amx_int8_status() {
+  static const std::string status = check_int8();
+  return status;
+}
+
+void amx_q8_dots(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed, int64_t blocks,
+                 int64_t K, float* out, int64_t out_stride) {
+  const int64_t nb = K / kQuantBlock, block_bytes = nb * kAmxQ8StepBytes;
+  thread_local std::vector<float> dw;
+  dw.resize(nb * kAmxRows);
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxRows) {
+    const uint8_t* r = rows + r0 * row_bytes;
+    row_scales(r, row_bytes, nb, dw.data());
+    const uint8_t* next = r + kAmxRows * row_bytes;  // past num_rows too: the caller's next rows, mostly
+    for (int64_t tb = 0; tb < blocks; ++tb)
+      q8_pass(r, row_bytes, dw.data(), packed + tb * block_bytes, nb, out + r0 * out_stride + tb * kAmxRows,
+              out_stride, tb == 0 ? next : nullptr);
+  }
+}
+
 }  // namespace ftjax
 
 #else  // not x86-64 Linux
@@ -240,9 +405,14 @@ const std::string& amx_bf16_status() {
   static const std::string status = "AMX tiles need x86-64 Linux";
   return status;
 }
-AmxScope::AmxScope() {}
+AmxScope::AmxScope(AmxTiles) {}
 AmxScope::~AmxScope() {}
 void amx_dots(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
+const std::string& amx_int8_status() {
+  static const std::string status = "AMX tiles need x86-64 Linux";
+  return status;
+}
+void amx_q8_dots(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t) {}
 bool pack_simd(const float* const*, int64_t, int64_t, uint32_t*) { return false; }
 
 }  // namespace ftjax
@@ -272,6 +442,27 @@ void amx_pack_scalar(const float* const* vecs, int64_t n, int64_t K, uint32_t* p
 
 void amx_pack(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed) {
   if (!pack_simd(vecs, n, K, packed)) amx_pack_scalar(vecs, n, K, packed);
+}
+
+// Block of 16 tokens, K / 32 steps: q tile row r, column j = q_j[4r .. 4r + 3] of the step's
+// ActQ8 block, then the 16 tokens' d.
+void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
+  const int64_t nb = K / kQuantBlock;
+  for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
+    uint8_t* block = packed + j0 / kAmxRows * nb * kAmxQ8StepBytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* q = block + b * kAmxQ8StepBytes;
+      float* d = reinterpret_cast<float*>(q + 8 * 64);
+      for (int64_t j = 0; j < kAmxRows; ++j) {
+        const ActQ8* a = j0 + j < n ? vecs[j0 + j] + b : nullptr;
+        d[j] = a != nullptr ? a->d : 0.f;
+        for (int r = 0; r < 8; ++r) {
+          if (a != nullptr) std::memcpy(q + r * 64 + 4 * j, a->qs + 4 * r, 4);
+          else std::memset(q + r * 64 + 4 * j, 0, 4);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace ftjax

@@ -1,4 +1,5 @@
-// AMX-BF16 tile products: the expert FFN's prefill on Intel's matrix tiles.
+// AMX tile products: the expert FFN's prefill on Intel's matrix tiles, bf16 (AMX-BF16)
+// and Q8_0 (AMX-INT8, below).
 //
 // One TDPBF16PS multiplies a 16 x 32 bf16 tile A by a 16 x (16 pairs) bf16 tile B into a
 // 16 x 16 f32 tile C: C[m][n] += sum_k A[m][k] * B'[k][n], where B holds each column's
@@ -26,6 +27,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels.h"
+
 namespace ftjax {
 
 constexpr int64_t kAmxRows = 16;       // weight rows, tokens and k pairs per tile
@@ -50,10 +53,12 @@ void amx_pack_scalar(const float* const* vecs, int64_t n, int64_t K, uint32_t* p
 bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
 
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
-// TILERELEASE). Every amx_dots call runs inside one.
+// TILERELEASE). Every amx_dots call runs inside a kBf16 scope, every amx_q8_dots call
+// inside a kInt8 one (their tiles have other shapes).
+enum class AmxTiles { kBf16, kInt8 };
 class AmxScope {
  public:
-  AmxScope();
+  explicit AmxScope(AmxTiles tiles = AmxTiles::kBf16);
   ~AmxScope();
   AmxScope(const AmxScope&) = delete;
   AmxScope& operator=(const AmxScope&) = delete;
@@ -64,5 +69,36 @@ class AmxScope {
 // blocks of amx_pack over the same K (K % 32 == 0).
 void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
               int64_t blocks, int64_t K, float* out, int64_t out_stride);
+
+// ---- AMX-INT8: Q8_0 weights against ActQ8 activations -------------------------------------
+//
+// One TDPBSSD multiplies signed bytes: a 16 x 32 tile A (16 weight rows, the 32 int8 q of
+// one Q8_0 block each, read in place from the pool: a block's q lie 2 bytes into its 34)
+// by an 8 x 64 tile B (the 32 q of one ActQ8 block of 16 tokens, each row 4 consecutive
+// q of every token) into 16 x 16 int32: C[m][j] = sum_i q_w[m][i] * q_x[j][i], the
+// integer sum the VNNI kernels compute for the same block, exactly. The block's scales
+// are applied as those kernels do (y += d_w * d_x * sum, in float), on AVX-512 after the
+// tile is stored: so the result equals the exact path's up to float summation order, and
+// the tiles run under any numerics. C tiles alternate between two so the tile unit
+// multiplies block b + 1 while the vector unit scales block b.
+constexpr int64_t kAmxQ8StepBytes = 8 * 64 + kAmxRows * 4;  // one K block of 16 tokens: q tile, 16 d
+
+// "" when AMX-INT8 tiles run here and passed their self-check, else why not.
+const std::string& amx_int8_status();
+inline bool amx_int8_ok() { return amx_int8_status().empty(); }
+
+// Bytes of n tokens of K values (K % 32 == 0) packed for amx_q8_dots: ceil(n / 16) token
+// blocks of K / 32 steps of kAmxQ8StepBytes.
+inline int64_t amx_q8_packed_bytes(int64_t n, int64_t K) {
+  return (n + kAmxRows - 1) / kAmxRows * (K / 32) * kAmxQ8StepBytes;
+}
+// vecs[j] (K / 32 ActQ8 blocks) for j < n -> packed; tokens padding the last block are zeros.
+void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
+
+// out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
+// j < 16 * blocks: rows are Q8_0 blocks, row_bytes apart; packed holds `blocks` token
+// blocks of amx_q8_pack over the same K.
+void amx_q8_dots(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed, int64_t blocks,
+                 int64_t K, float* out, int64_t out_stride);
 
 }  // namespace ftjax

@@ -357,6 +357,8 @@ NB_MODULE(_host_kernels, m) {
   m.def("has_avx512_bf16", &cpu_has_avx512_bf16);
   m.def("amx_bf16_status", [] { return amx_bf16_status(); },
         "'' when AMX-BF16 tiles run here and passed the self-check, else why not");
+  m.def("amx_int8_status", [] { return amx_int8_status(); },
+        "'' when AMX-INT8 tiles run here and passed the self-check, else why not");
   m.def("hardware_cores", &hardware_cores);
   m.def("exit_on_abort", &exit_on_abort, "message"_a, "code"_a,
         "From now on SIGABRT (abort(), std::terminate) writes message to stderr and _exit(code)s.");

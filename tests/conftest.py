@@ -7,11 +7,20 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_models.py
 
+# The suite is bound by XLA compilation (hundreds of tiny models and step shapes, each run
+# a few times): LLVM's optimisation level 0 compiles 20-30% faster and changes no result
+# (XLA picks fusions and reduction order before LLVM; no fast-math either way). Set before
+# the first backend use, so the CLI and server processes the tests start inherit it.
+# Benchmarks never run under it. FTJAX_TEST_XLA_OPT=2 gives back XLA's default.
+_XLA_OPT = f"--xla_backend_optimization_level={os.environ.get('FTJAX_TEST_XLA_OPT', '0')}"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_OPT}".strip()
+
 import pytest  # noqa: E402
 
 # Cross-product variants, and the heaviest single cases whose ground a default test
 # covers, run under `-m slow` only. The default suite keeps one representative per axis
-# (every family once, every policy once, every geometry kind once), so it stays near 15
+# (every family once, every policy once, every geometry kind once), so it stays under 15
 # minutes on 2 cores; `pytest -m slow` runs these. Names are
 # node ids (file::test[params]) relative to the repository root.
 SLOW_VARIANTS = {
@@ -44,12 +53,22 @@ SLOW_VARIANTS = {
 }
 
 
+# Files holding the longest single tests (a minute or more of two-process servers, the
+# paper run's setup), handed to the xdist workers first: `--dist loadfile` gives out files
+# in collection order, and one of these collected late kept a worker busy for minutes
+# after the other had finished.
+LONGEST_FIRST = ("tests/test_serve_processes.py", "tests/test_bench_paper.py", "tests/test_distributed.py",
+                 "tests/test_serve_robustness.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config, items):
     slow = {f"{path}::{name}" for path, names in SLOW_VARIANTS.items() for name in names}
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest in order
 
 
 def pytest_configure(config):

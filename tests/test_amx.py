@@ -1,6 +1,7 @@
-"""AMX-BF16 tiles for expert prefill (host_kernels/amx.cc, the tile path of
-host_kernels/expert_ffn.cc) against the numpy reference that rounds the activations as
-the tiles do; the self-check and every fallback.
+"""AMX tiles for expert prefill (host_kernels/amx.cc, the tile path of
+host_kernels/expert_ffn.cc): AMX-BF16 against the numpy reference that rounds the
+activations as the tiles do, AMX-INT8 (Q8_0 experts) against the exact integer kernels;
+the self-checks and every fallback.
 
 The tile tests run where the CPU, the OS and Linux's permission give AMX-BF16 tiles
 (`host.amx_bf16_status() == ""`) and are skipped elsewhere with the reason; the
@@ -24,7 +25,8 @@ def test_the_self_check_is_reported_and_decides_availability():
     the benchmark lines (`isa_report`) and the model's choice follow it."""
     assert isinstance(STATUS, str) and host.amx_bf16_status() == STATUS
     assert (Isa.AMX_BF16 in available_isas()) == (STATUS == "")
-    assert host.isa_report() == {"auto": host.auto_isa().name.lower(), "amx_bf16": STATUS or "ok"}
+    assert host.isa_report() == {"auto": host.auto_isa().name.lower(), "amx_bf16": STATUS or "ok",
+                                 "amx_int8": host.amx_int8_status() or "ok"}
     assert host.auto_isa() is not Isa.AMX_BF16  # AUTO stays exact
     if STATUS:
         assert any(word in STATUS for word in ("CPUID", "XSAVE", "XCR0", "arch_prctl", "self-check", "x86-64"))
@@ -55,7 +57,7 @@ def test_tiles_match_the_rounding_reference(threads, d_model, d_ff, num_tokens, 
     pool = make_pool(rng, 2, 6, d_model, d_ff, "bfloat16")
     x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
     executor = HostExecutor(pool, threads=threads, isa=Isa.AMX_BF16)
-    assert takes_amx_tiles(Isa.AMX_BF16, num_tokens, d_model, d_ff, True)
+    assert takes_amx_tiles(Isa.AMX_BF16, num_tokens, d_model, d_ff, "bfloat16")
     for layer in range(pool.num_layers):
         y = executor.expert_ffn_numpy(x, layer, ids, weights)
         ref = reference(pool, layer, x, ids, weights, Isa.AMX_BF16)
@@ -89,7 +91,7 @@ def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
                                     "D not whole passes": (80, 32, 40, "bfloat16")}[case]
     pool = make_pool(rng, 1, 4, d_model, d_ff, dtype)
     x, ids, weights = make_batch(rng, tokens, 2, d_model, 4)
-    assert not takes_amx_tiles(Isa.AMX_BF16, tokens, d_model, d_ff, dtype == "bfloat16")
+    assert not takes_amx_tiles(Isa.AMX_BF16, tokens, d_model, d_ff, dtype)
     tiles = HostExecutor(pool, threads=2, isa=Isa.AMX_BF16).expert_ffn_numpy(x, 0, ids, weights)
     auto = HostExecutor(pool, threads=2, isa=Isa.AUTO).expert_ffn_numpy(x, 0, ids, weights)
     np.testing.assert_array_equal(tiles, auto)
@@ -108,3 +110,107 @@ def test_the_model_takes_tiles_under_fast_numerics_only(monkeypatch):
     assert ftjax.load().stats()["host_isa"] is None  # the device policy: no host experts
     monkeypatch.setenv(host.ISA_ENV, "scalar")
     assert ftjax.load(policy="host").stats()["host_isa"] == "scalar"
+
+
+# ---- AMX-INT8: Q8_0 experts -----------------------------------------------------------------
+
+INT8_STATUS = host.amx_int8_status()
+needs_amx_int8 = pytest.mark.skipif(INT8_STATUS != "", reason=f"no AMX-INT8 tiles here: {INT8_STATUS}")
+
+
+def test_the_int8_self_check_is_reported_and_decides_the_q8_0_tiles():
+    """One answer per process, in the benchmark lines; Q8_0 calls take the tiles under
+    AMX_BF16 only where it passed (and never other block formats, nor mixed parts)."""
+    assert isinstance(INT8_STATUS, str) and host.amx_int8_status() == INT8_STATUS
+    assert host.isa_report()["amx_int8"] == (INT8_STATUS or "ok")
+    if INT8_STATUS:
+        assert any(word in INT8_STATUS for word in ("CPUID", "XSAVE", "XCR0", "arch_prctl", "self-check", "x86-64"))
+    takes = STATUS == "" and INT8_STATUS == ""
+    assert takes_amx_tiles(Isa.AMX_BF16, 64, 128, 64, "q8_0") == takes
+    for dtype in ("q4_0", "q4_k", "q6_k", "mxfp4"):
+        assert not takes_amx_tiles(Isa.AMX_BF16, 64, 256, 256, dtype)
+    assert not takes_amx_tiles(Isa.AUTO, 64, 128, 64, "q8_0")
+
+
+def q8_0_pool(rng, num_layers, num_experts, d_model, d_ff):
+    return make_pool(rng, num_layers, num_experts, d_model, d_ff, "float32").converted("q8_0")
+
+
+@needs_amx
+@needs_amx_int8
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("d_model,d_ff,num_tokens,top_k", [
+    (64, 32, 16, 1),     # one 16-row block, one token block, one K block pair
+    (96, 64, 17, 2),     # a partial second token block; an odd number of K blocks (3)
+    (256, 128, 64, 4),   # several token blocks per expert
+    (64, 96, 200, 8),    # many tokens per expert
+])
+def test_q8_0_tiles_match_the_exact_kernels(threads, d_model, d_ff, num_tokens, top_k):
+    """The tiles compute the exact path's integer block sums and scale them as it does: the
+    same numbers up to float summation order, on the same int8 activations (the numpy
+    reference quantises them as the kernels do)."""
+    rng = np.random.default_rng(d_model + d_ff + num_tokens)
+    pool = q8_0_pool(rng, 2, 6, d_model, d_ff)
+    x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
+    assert takes_amx_tiles(Isa.AMX_BF16, num_tokens, d_model, d_ff, "q8_0")
+    tiles = HostExecutor(pool, threads=threads, isa=Isa.AMX_BF16)
+    exact = HostExecutor(pool, threads=threads, isa=Isa.AUTO)
+    for layer in range(pool.num_layers):
+        y = tiles.expert_ffn_numpy(x, layer, ids, weights)
+        y_exact = exact.expert_ffn_numpy(x, layer, ids, weights)
+        scale = max(1.0, float(np.abs(y_exact).max()))
+        # h is quantised to int8 on both sides from f32 sums in another order: a value at a
+        # rounding boundary may move one int8 step (1/127 of its block's largest)
+        np.testing.assert_allclose(y, y_exact, rtol=0, atol=2e-3 * scale)
+        assert np.mean(np.abs(y - y_exact) > 1e-5 * scale) < 0.01
+        ref = host.reference_expert_ffn(pool.gate_up, pool.down, layer, x, ids, weights, "q8_0")
+        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-3 * scale)
+
+
+@needs_amx
+@needs_amx_int8
+def test_q8_0_tiles_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(11)
+    pool = q8_0_pool(rng, 1, 8, 128, 64)
+    x, ids, weights = make_batch(rng, 48, 4, 128, 8)
+    runs = [HostExecutor(pool, threads=t, isa=Isa.AMX_BF16).expert_ffn_numpy(x, 0, ids, weights) for t in (1, 2, 4)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["decode", "q4_0 experts"])
+def test_q8_0_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
+    """Decode-sized calls and other block formats (a Q8_0 row is always whole passes:
+    32 | D and 32 | F) run the exact integer kernels under AMX_BF16: the same numbers as AUTO, to the bit."""
+    rng = np.random.default_rng(13)
+    d_model, d_ff, tokens, dtype = {"decode": (64, 32, AMX_MIN_TOKENS - 1, "q8_0"),
+                                    "q4_0 experts": (64, 32, 40, "q4_0")}[case]
+    pool = make_pool(rng, 1, 4, d_model, d_ff, "float32").converted(dtype)
+    x, ids, weights = make_batch(rng, tokens, 2, d_model, 4)
+    assert not takes_amx_tiles(Isa.AMX_BF16, tokens, d_model, d_ff, dtype)
+    tiles = HostExecutor(pool, threads=2, isa=Isa.AMX_BF16).expert_ffn_numpy(x, 0, ids, weights)
+    auto = HostExecutor(pool, threads=2, isa=Isa.AUTO).expert_ffn_numpy(x, 0, ids, weights)
+    np.testing.assert_array_equal(tiles, auto)
+
+
+@needs_amx
+@needs_amx_int8
+def test_a_q8_0_model_prefills_on_the_int8_tiles_with_the_exact_paths_tokens(monkeypatch):
+    """The default model with Q8_0 experts: numerics="fast" (the default for quantised
+    experts) prefills its host experts on the int8 tiles, and with the same K/V dtype its
+    greedy tokens are the exact path's and its logits within a few 1e-3: each layer's h
+    is quantised to int8 from sums added in another order, so a value at a rounding
+    boundary moves one int8 step, and later layers carry it on."""
+    monkeypatch.delenv(host.ISA_ENV, raising=False)
+    prompt = list(range(5, 45))  # 40 tokens: prefill calls of >= AMX_MIN_TOKENS
+    fast = ftjax.load(policy="host", expert_dtype="int8", kv_dtype="float32")
+    exact = ftjax.load(policy="host", expert_dtype="int8", kv_dtype="float32", numerics="exact")
+    assert fast.checkpoint.pool.dtype == "q8_0" and fast.numerics == "fast"
+    assert (fast.stats()["host_isa"], exact.stats()["host_isa"]) == ("amx_bf16", host.auto_isa().name.lower())
+    assert takes_amx_tiles(Isa.AMX_BF16, len(prompt), fast.config.d_model, fast.config.d_ff_expert, "q8_0")
+    a, b = fast.logits(prompt), exact.logits(prompt)
+    scale = float(np.abs(b).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=5e-3 * scale)
+    assert np.mean(np.abs(a - b) > 1e-3 * scale) < 0.01 and not np.array_equal(a, b)
+    assert fast.generate(prompt, 8) == exact.generate(prompt, 8)
