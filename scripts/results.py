@@ -550,20 +550,24 @@ def prompt_tables(run: Run):
 
 def expert_prefill_tables(run: Run):
     """`scripts/bench_expert_prefill.py` lines: one MoE layer's expert prefill per kernel
-    path and thread count, oneMKL's bf16 GEMMs on the same products beside them."""
+    path, expert format and thread count, oneMKL's GEMMs on the same products beside them."""
     lines = [x for x in run.bench("expert_prefill") if "ms" in x.data]
-    exact = {x.get("threads"): Value(x.get("ms"), x) for x in lines
+
+    def key(x):
+        return x.get("threads"), x.get("dtype", "bfloat16")
+    exact = {key(x): Value(x.get("ms"), x) for x in lines
              if x.get("system") == "ftjax" and x.get("path") == (x.get("machine") or {}).get("isa", {}).get("auto")}
     rows = []
     for x in lines:
         ms = Value(x.get("ms"), x)
-        rows.append([Text(f"{x.get('system')} `{x.get('path')}`, {x.get('threads')} thread{'s' if x.get('threads') != 1 else ''}"
+        rows.append([Text(f"{x.get('system')} `{x.get('path')}`, {x.get('dtype', 'bfloat16')} experts, {x.get('threads')} "
+                          f"thread{'s' if x.get('threads') != 1 else ''}"
                           + ("" if x.get("system") == "ftjax" else f" ({x.get('scope')})")),
                      ms, Value(x.get("tokens_per_s"), x), Value(x.get("tflops"), x),
-                     Ratio(exact[x.get("threads")], ms) if x.get("threads") in exact else Text("—")])
+                     Ratio(exact[key(x)], ms) if key(x) in exact else Text("—")])
     if not rows:
         return [], []
-    header = ["system, path", "ms a layer", "tokens / s", "TFLOP/s", "speed vs the exact path (ratio)"]
+    header = ["system, path, experts, threads", "ms a layer", "tokens / s", "TFLOP/s", "speed vs the exact path (ratio)"]
     return [Table(run.name, header, rows, run)], []
 
 
@@ -730,12 +734,14 @@ QUESTIONS = [
              [prompt_tables],
              "`scripts/bench_prompt_cost.py | tail -1 >> docs/results/prompt/DATE/prompt.jsonl`"),
     Question("prefill", "Expert prefill per kernel path",
-             "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16) and 512 routed tokens "
+             "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16 or Q8_0) and 512 routed tokens "
              "(`scripts/bench_expert_prefill.py`): ftjax's host expert kernel under each ISA path (the exact AVX-512 "
-             "/ AVX2 kernels; AVX512_BF16 and the AMX tiles round activations to bf16), the whole layer; oneMKL's "
-             "`cblas_gemm_bf16bf16f32` doing only each expert's two products, activations already gathered in bf16.",
+             "/ AVX2 kernels; for bf16 experts AVX512_BF16 and the AMX tiles round activations to bf16; for Q8_0 "
+             "`amx_bf16` is the AMX-INT8 tiles, the exact path's integer sums), the whole layer; oneMKL doing only "
+             "each expert's two products, activations already gathered: `cblas_gemm_bf16bf16f32` for bf16, "
+             "`cblas_gemm_s8u8s32` for Q8_0 (one scale per matrix: the int8 work without Q8_0's scale per 32).",
              [expert_prefill_tables, numerics_tables],
-             "`scripts/bench_expert_prefill.py --mkl-lib DIR >> docs/results/prefill/DATE/prefill.jsonl`; "
+             "`scripts/bench_expert_prefill.py --mkl-lib DIR [--dtype q8_0] >> docs/results/prefill/DATE/prefill.jsonl`; "
              "`scripts/bench_decode.py --model DIR --policies host --numerics exact fast --prompt 512 --new 16 "
              "--threads 2 --no-breakdown >> docs/results/prefill/DATE/numerics.jsonl`",
              [("Whole model, exact and fast numerics", "The OLMoE-1B-7B geometry with 4 of its 16 layers "
