@@ -115,6 +115,24 @@ def available_isas() -> list[Isa]:
 
 
 ISA_ENV = "FTJAX_ISA"  # what AUTO means, e.g. FTJAX_ISA=avx512 keeps float32 activations on a BF16 CPU
+GEMV_PREFETCH_ENV = "FTJAX_GEMV_PREFETCH"  # bytes the decode GEMV prefetches into L2 (0: none)
+
+
+def set_gemv_prefetch_from_env() -> None:
+    """$FTJAX_GEMV_PREFETCH, when set, replaces the kernels' choice by CPU vendor of how far
+    ahead the float / bf16 decode GEMV prefetches into L2 (4096 bytes on Intel, none
+    elsewhere: host_kernels/kernels.h). Results never depend on it; a value that is not
+    a whole number of 64-byte lines is an error naming the variable."""
+    value = os.environ.get(GEMV_PREFETCH_ENV, "").strip()
+    if not value:
+        return
+    n = int(value) if value.isdigit() else -1
+    if n < 0 or n % 64:
+        raise ValueError(f"${GEMV_PREFETCH_ENV}={value!r} is not a whole number of 64-byte lines (0 turns it off)")
+    _hk.set_gemv_prefetch_bytes(n)
+
+
+set_gemv_prefetch_from_env()
 
 
 def auto_isa() -> Isa:
@@ -156,11 +174,12 @@ def expert_isa(numerics: str) -> Isa:
     return Isa.AUTO
 
 
-def isa_report() -> dict[str, str]:
+def isa_report() -> dict[str, str | int]:
     """What the kernels run with on this machine, for benchmark lines and `ftjax profile`:
-    the exact ISA AUTO means, and the AMX self-checks ("ok" or why not)."""
+    the exact ISA AUTO means, the AMX self-checks ("ok" or why not), and how far ahead the
+    decode GEMV prefetches into L2."""
     return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok",
-            "amx_int8": amx_int8_status() or "ok"}
+            "amx_int8": amx_int8_status() or "ok", "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
 
 
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:

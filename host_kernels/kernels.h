@@ -218,6 +218,16 @@ enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx5
 // AVX-512, measured on a 2-core Zen 5 VM).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// Bytes ahead that the decode GEMV of float and bf16 rows prefetches into L2 (one
+// prefetcht1 a line; 0 = none: the hardware prefetchers alone). Chosen by what the CPU
+// reports: 4096 on Intel (a 2-core Xeon with AMX: bf16 decode 11.2-12.3 -> 14.0-14.9
+// GB/s on one core, 20.4-20.9 -> 25.8-27.0 on two, the probe 13-15 / 26-30), 0 elsewhere
+// (on Zen 4 a software prefetch held bf16 decode to 21-24 GB/s against 29-31 without).
+// The result never depends on it. set_gemv_prefetch_bytes: the override
+// (`FTJAX_GEMV_PREFETCH`, ftjax.host) and tests.
+int64_t gemv_prefetch_bytes();
+void set_gemv_prefetch_bytes(int64_t bytes);
+
 constexpr int kMaxRows = 4;  // R
 constexpr int kMaxVecs = 6;  // J: the widest tile of any table (DotTable::max_vecs)
 

@@ -98,14 +98,18 @@ FTJAX_AVX2 void dot_avx2(const void* const* rows_v, const float* const* vecs, in
 }
 
 // One row against one vector, 8 FMA chains; returns the 8-lane partial sums of the
-// vectorised part, the scalar tail [n / 16 * 16, n) added separately. No software
-// prefetch (see kernels_avx512.cc: the stream is sequential).
+// vectorised part, the scalar tail [n / 16 * 16, n) added separately; `prefetch` bytes
+// ahead into L2 as kernels_avx512.cc's.
 template <typename W>
-FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
+FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n, int64_t prefetch) {
   __m256 acc[8];
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
+    if (prefetch > 0) {
+      const char* c = reinterpret_cast<const char*>(row + i) + prefetch;
+      for (int64_t o = 0; o < kStep * static_cast<int64_t>(sizeof(W)); o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+    }
     for (int s = 0; s < kStep / 16; ++s) {
       __m256 wa, wb, xa, xb;
       load16(row + i + 16 * s, wa, wb);
@@ -131,13 +135,14 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
 template <typename W>
 FTJAX_AVX2 void gemv_avx2(const void* rows_v, int64_t row_stride, int64_t num_rows,
                           const float* vec, int64_t n, float* out) {
+  const int64_t prefetch = gemv_prefetch_bytes();
   const char* rows = static_cast<const char*>(rows_v);
   const int64_t tail = n / 16 * 16;
   for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
     const int nr = static_cast<int>(num_rows - r0 < 8 ? num_rows - r0 : 8);
     __m256 partial[8];
     for (int r = 0; r < 8; ++r)
-      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n)
+      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n, prefetch)
                            : _mm256_setzero_ps();
     float sums[8];
     _mm256_storeu_ps(sums, hsum8(partial));

@@ -58,6 +58,12 @@ FTJAX_AVX512 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// One prefetcht1 per 64 of the `bytes` bytes at p + ahead.
+FTJAX_AVX512 inline void prefetch_l2(const void* p, int64_t bytes, int64_t ahead) {
+  const char* c = static_cast<const char*>(p) + ahead;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
 template <typename W>
 FTJAX_AVX512 inline void prefetch_step(const W* row) {
   for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
@@ -106,15 +112,16 @@ FTJAX_AVX512 void dot_avx512(const void* const* rows_v, const float* const* vecs
 }
 
 // One row against one vector with 8 FMA chains; 8-lane partial sums of the
-// vectorised part [0, n / 32 * 32). No software prefetch: the rows of a gemv are one
-// sequential stream, which the hardware prefetcher follows; prefetching 4 KiB ahead held
-// bf16 decode to 21-24 GB/s on one Zen 4 core, 29-31 without (kernels_avx2.cc likewise).
+// vectorised part [0, n / 32 * 32). The rows of a gemv are one sequential stream: the
+// hardware prefetchers follow it, and `prefetch` bytes ahead (gemv_prefetch_bytes: on
+// Intel, where they alone left a core at 0.8 of its read bandwidth) goes into L2 too.
 template <typename W>
-FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
+FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n, int64_t prefetch) {
   __m512 acc[8];
   for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
+    if (prefetch > 0) prefetch_l2(row + i, kStep * static_cast<int64_t>(sizeof(W)), prefetch);
     for (int s = 0; s < kStep / 32; ++s) {
       __m512 wa, wb, xa, xb;
       load32(row + i + 32 * s, wa, wb);
@@ -138,13 +145,14 @@ FTJAX_AVX512 inline __m256 row_dot(const W* row, const float* vec, int64_t n) {
 template <typename W>
 FTJAX_AVX512 void gemv_avx512(const void* rows_v, int64_t row_stride, int64_t num_rows,
                               const float* vec, int64_t n, float* out) {
+  const int64_t prefetch = gemv_prefetch_bytes();
   const char* rows = static_cast<const char*>(rows_v);
   const int64_t tail = n / 32 * 32;
   for (int64_t r0 = 0; r0 < num_rows; r0 += 8) {
     const int nr = static_cast<int>(num_rows - r0 < 8 ? num_rows - r0 : 8);
     __m256 partial[8];
     for (int r = 0; r < 8; ++r)
-      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n)
+      partial[r] = r < nr ? row_dot(reinterpret_cast<const W*>(rows + (r0 + r) * row_stride), vec, n, prefetch)
                            : _mm256_setzero_ps();
     float sums[8];
     _mm256_storeu_ps(sums, hsum8(partial));

@@ -1,7 +1,11 @@
 // Portable micro-kernels: plain C++, no intrinsics. Eight independent partial sums
 // per dot keep the loop free of a serial dependency (and let a compiler vectorise
 // it without reassociating), so this path is a usable fallback, not a toy.
+#include <atomic>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include "amx.h"
 #include "kernels.h"
@@ -76,6 +80,32 @@ const Kernels& scalar_kernels() {
 
 #undef FTJAX_ROW
 #undef FTJAX_TABLE
+
+namespace {
+
+int64_t default_gemv_prefetch() {
+#if defined(__x86_64__) || defined(__i386__)
+  uint32_t a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d)) {
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    if (std::strcmp(vendor, "GenuineIntel") == 0) return 4096;
+  }
+#endif
+  return 0;
+}
+
+std::atomic<int64_t>& gemv_prefetch() {
+  static std::atomic<int64_t> bytes{default_gemv_prefetch()};
+  return bytes;
+}
+
+}  // namespace
+
+int64_t gemv_prefetch_bytes() { return gemv_prefetch().load(std::memory_order_relaxed); }
+void set_gemv_prefetch_bytes(int64_t bytes) { gemv_prefetch().store(bytes, std::memory_order_relaxed); }
 
 const Kernels* select_kernels(Isa isa) {
   const Kernels* avx2 = cpu_has_avx2_fma() ? avx2_kernels() : nullptr;

@@ -359,6 +359,9 @@ NB_MODULE(_host_kernels, m) {
         "'' when AMX-BF16 tiles run here and passed the self-check, else why not");
   m.def("amx_int8_status", [] { return amx_int8_status(); },
         "'' when AMX-INT8 tiles run here and passed the self-check, else why not");
+  m.def("gemv_prefetch_bytes", &gemv_prefetch_bytes,
+        "Bytes ahead the float / bf16 decode GEMV prefetches into L2 (0: none; by CPU vendor unless set).");
+  m.def("set_gemv_prefetch_bytes", &set_gemv_prefetch_bytes, "bytes"_a);
   m.def("hardware_cores", &hardware_cores);
   m.def("exit_on_abort", &exit_on_abort, "message"_a, "code"_a,
         "From now on SIGABRT (abort(), std::terminate) writes message to stderr and _exit(code)s.");

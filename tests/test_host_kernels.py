@@ -220,3 +220,37 @@ def test_concurrent_callers_share_one_pool():
     for t in threads:
         t.join()
     assert not failures
+
+
+def test_the_decode_gemv_prefetch_moves_no_bit_and_its_variable_is_checked(monkeypatch):
+    """The float / bf16 decode GEMV prefetches into L2 on Intel (4096 bytes ahead) and not
+    elsewhere: every ISA's output is the same to the bit at any distance; the benchmark
+    lines name the distance; $FTJAX_GEMV_PREFETCH replaces it, and a value that is not a
+    whole number of lines is an error naming the variable."""
+    from ftjax.host import _hk
+
+    before = _hk.gemv_prefetch_bytes()
+    if not host.os.environ.get(host.GEMV_PREFETCH_ENV):
+        vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+        assert before == (4096 if vendor == "GenuineIntel" else 0), (vendor, before)
+    assert host.isa_report()["gemv_prefetch_bytes"] == before
+    rng = np.random.default_rng(3)
+    try:
+        for dtype in ("float32", "bfloat16"):
+            pool = make_pool(rng, 1, 4, 288, 160, dtype)  # whole SIMD steps and tails
+            x, ids, weights = make_batch(rng, 1, 3, 288, 4)
+            for isa in ISAS:
+                outs = []
+                for ahead in (0, 64, 4096):
+                    _hk.set_gemv_prefetch_bytes(ahead)
+                    outs.append(HostExecutor(pool, threads=2, isa=isa).expert_ffn_numpy(x, 0, ids, weights))
+                assert all(np.array_equal(outs[0], o) for o in outs[1:]), (dtype, isa)
+        for bad in ("-64", "100", "lots"):
+            monkeypatch.setenv(host.GEMV_PREFETCH_ENV, bad)
+            with pytest.raises(ValueError, match="FTJAX_GEMV_PREFETCH"):
+                host.set_gemv_prefetch_from_env()
+        monkeypatch.setenv(host.GEMV_PREFETCH_ENV, "8192")
+        host.set_gemv_prefetch_from_env()
+        assert _hk.gemv_prefetch_bytes() == 8192 and host.isa_report()["gemv_prefetch_bytes"] == 8192
+    finally:
+        _hk.set_gemv_prefetch_bytes(before)
