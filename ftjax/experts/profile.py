@@ -240,7 +240,8 @@ def summary_line(result: dict) -> str:
             f"{result['dtype']} [D, F] = {result['expert_shape']}, {result['threads']} threads, "
             f"top-{result['top_k']}, working set {result['working_set_bytes'] / 2**20:.0f} MiB "
             f"(LLC {f'{llc / 2**20:.0f} MiB' if llc else 'unknown'})"
-            + (f"; kernels: {result['isa']['auto']}, AMX-BF16 {result['isa']['amx_bf16']}" if "isa" in result else ""))
+            + (f"; kernels: {result['isa']['auto']}, AMX-BF16 {result['isa']['amx_bf16']}, "
+               f"AMX-INT8 {result['isa'].get('amx_int8', '?')}" if "isa" in result else ""))
 
 
 # ---------------------------------------------------------------------------- measure
@@ -383,7 +384,7 @@ def measure(expert_shape: tuple[int, int] = DEFAULT_SHAPE, dtype="bfloat16",
         "transfer_experts_per_call": transfer.count,
         "dtype": dtype, "expert_shape": [d_model, d_ff], "expert_bytes": pool.expert_bytes,
         "threads": threads, "top_k": top_k, "machine": info, "machine_key": machine_key(info),
-        "isa": isa_report(),  # the kernels' paths here: AUTO's exact ISA, the AMX self-check ("ok" or why not)
+        "isa": isa_report(),  # the kernels' paths here: AUTO's exact ISA, the AMX self-checks, the GEMV prefetch
         "commit": git_commit(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     warning = cache_ratio_warning(result)
