@@ -53,22 +53,12 @@ SLOW_VARIANTS = {
 }
 
 
-# Files holding the longest single tests (a minute or more of two-process servers, the
-# paper run's setup), handed to the xdist workers first: `--dist loadfile` gives out files
-# in collection order, and one of these collected late kept a worker busy for minutes
-# after the other had finished.
-LONGEST_FIRST = ("tests/test_serve_processes.py", "tests/test_bench_paper.py", "tests/test_distributed.py",
-                 "tests/test_serve_robustness.py")
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config, items):
     slow = {f"{path}::{name}" for path, names in SLOW_VARIANTS.items() for name in names}
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
-    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest in order
 
 
 def pytest_configure(config):
