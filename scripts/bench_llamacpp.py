@@ -7,6 +7,13 @@ Benchmark-only dependency, NOT a dependency of ftjax. Build it from source for t
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
         /tmp/llvenv/bin/pip install llama-cpp-python==0.3.36 --no-binary llama-cpp-python
 
+On a CPU with AMX, a native build (`-DGGML_NATIVE=ON`) dies with SIGILL on Q8_0 / Q4_K
+GGUFs: its AMX repack kernel (`tinygemm_kernel_amx`) runs `tileloadd` in a thread where
+the tiles are not usable (seen under gdb on a 2-core Xeon VM). llama.cpp's own
+`llama-bench --repack 0` (built from the same vendored sources: `cmake -S
+vendor/llama.cpp -B build && cmake --build build --target llama-bench`) runs its
+AVX-512 path on those files; this script has no such switch through the binding.
+
 Conversion (`--convert`): the sdist's own `vendor/llama.cpp/convert_hf_to_gguf.py`
 (with its vendored gguf-py) writes a bf16 GGUF. The geometry checkpoint has no
 tokenizer, so `Qwen3MoeModel.set_vocab` is replaced by the converter's own "none"
