@@ -296,31 +296,32 @@ FTJAX_AMX_INT8 void q8_pass(const uint8_t* rows, int64_t row_bytes, const float*
   for (int m = 0; m < kAmxRows; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* q = rows + offsetof(BlockQ8_0, qs);
   const int64_t share = kAmxRows * kBlock;  // next's bytes per block: 16 rows of row_bytes
+  // C tile c = block b of the 16 rows (A tile a) . block b of the tokens (B tile bt). A
+  // macro: GCC's tile intrinsics paste their tile numbers into the assembly as written.
+#define FTJAX_Q8_MULTIPLY(c, a, bt, b)                              \
+  do {                                                              \
+    _tile_zero(c);                                                  \
+    _tile_loadd(a, q + (b) * kBlock, row_bytes);                    \
+    _tile_loadd(bt, tokens + (b) * kAmxQ8StepBytes, 64);            \
+    _tile_dpbssd(c, a, bt);                                         \
+  } while (0)
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
     if (next != nullptr)
       for (int64_t o = 0; o < 2 * share; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * share + o), _MM_HINT_T0);
-    _tile_zero(0);
-    _tile_loadd(1, q + b * kBlock, row_bytes);
-    _tile_loadd(2, tokens + b * kAmxQ8StepBytes, 64);
-    _tile_dpbssd(0, 1, 2);
-    _tile_zero(3);
-    _tile_loadd(4, q + (b + 1) * kBlock, row_bytes);
-    _tile_loadd(5, tokens + (b + 1) * kAmxQ8StepBytes, 64);
-    _tile_dpbssd(3, 4, 5);
+    FTJAX_Q8_MULTIPLY(0, 1, 2, b);
+    FTJAX_Q8_MULTIPLY(3, 4, 5, b + 1);
     _tile_stored(0, c[0], 64);
     _tile_stored(3, c[1], 64);
     scale_into(acc, c[0], tokens + b * kAmxQ8StepBytes, dw + b * kAmxRows);
     scale_into(acc, c[1], tokens + (b + 1) * kAmxQ8StepBytes, dw + (b + 1) * kAmxRows);
   }
-  if (b < nb) {
-    _tile_zero(0);
-    _tile_loadd(1, q + b * kBlock, row_bytes);
-    _tile_loadd(2, tokens + b * kAmxQ8StepBytes, 64);
-    _tile_dpbssd(0, 1, 2);
+  if (b < nb) {  // an odd number of blocks: the last alone
+    FTJAX_Q8_MULTIPLY(0, 1, 2, b);
     _tile_stored(0, c[0], 64);
     scale_into(acc, c[0], tokens + b * kAmxQ8StepBytes, dw + b * kAmxRows);
   }
+#undef FTJAX_Q8_MULTIPLY
   for (int m = 0; m < kAmxRows; ++m) _mm512_storeu_ps(out + m * out_stride, acc[m]);
 }
 

@@ -75,6 +75,13 @@ std::string group_by_expert(const TokenBatch& b, int64_t num_experts, Routing* r
 
 float silu(float a) { return a / (1.f + std::exp(-a)); }
 
+// dst [rows, n] = src [rows, n] as the dot table of weight type w reads it
+// (prepare_activations), one row per task.
+void prepare_rows(const Kernels& kernels, WeightType w, const float* src, int64_t rows, int64_t n, float* dst,
+                  ThreadPool* threads) {
+  parallel_for(threads, rows, [&](int64_t r) { prepare_activations(kernels, w, src + r * n, 1, n, dst + r * n); });
+}
+
 // Work shared by every task of one call.
 struct Call {
   const PoolView& pool;
@@ -285,21 +292,13 @@ void expert_ffn_amx(const Kernels& kernels, Call& call, ThreadPool* threads, int
   const int64_t U = routing.experts.size(), T = call.batch.num_tokens, P = routing.token.size();
   const bool q8 = is_q8(pool);
   AlignedFloats x_q(q8 ? T * pool.d_model : 0), h_q(q8 ? P * pool.d_ff : 0);
-  if (q8)
-    parallel_for(threads, T, [&](int64_t t) {
-      prepare_activations(kernels, pool.wtype, call.batch.x + t * pool.d_model, 1, pool.d_model,
-                          x_q.data() + t * pool.d_model);
-    });
+  if (q8) prepare_rows(kernels, pool.wtype, call.batch.x, T, pool.d_model, x_q.data(), threads);
   const float* x_rows = q8 ? x_q.data() : call.batch.x;
   PackedPairs x(routing, pool.d_model, q8);
   parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, x_rows, pool.d_model, true, q8, x.of(u)); });
   std::vector<GateUpTask> gate_up = plan_gate_up(pool, U, num_threads, kAmxPass);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task_amx(call, x, gate_up[i]); });
-  if (q8)
-    parallel_for(threads, P, [&](int64_t p) {
-      prepare_activations(kernels, pool.down_wtype, call.h.data() + p * pool.d_ff, 1, pool.d_ff,
-                          h_q.data() + p * pool.d_ff);
-    });
+  if (q8) prepare_rows(kernels, pool.down_wtype, call.h.data(), P, pool.d_ff, h_q.data(), threads);
   const float* h_rows = q8 ? h_q.data() : call.h.data();
   PackedPairs h(routing, pool.d_ff, q8);
   parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, h_rows, pool.d_ff, false, q8, h.of(u)); });
@@ -353,10 +352,7 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
 
   const std::vector<GateUpTask> gate_up = plan_gate_up(pool, routing.experts.size(), num_threads);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task(call, gate_up[i]); });
-  if (h_converted)
-    parallel_for(threads, num_pairs, [&](int64_t p) {
-      prepare_activations(*kernels, pool.down_wtype, h.data() + p * pool.d_ff, 1, pool.d_ff, h_q.data() + p * pool.d_ff);
-    });
+  if (h_converted) prepare_rows(*kernels, pool.down_wtype, h.data(), num_pairs, pool.d_ff, h_q.data(), threads);
 
   const int64_t rows = plan_down_rows(pool, num_threads);
   parallel_for(threads, ceil_div(pool.d_model, rows), [&](int64_t i) {

@@ -223,10 +223,17 @@ constexpr int64_t kPrefetchBytes = 4096;
 // reports: 4096 on Intel (a 2-core Xeon with AMX: bf16 decode 11.2-12.3 -> 14.0-14.9
 // GB/s on one core, 20.4-20.9 -> 25.8-27.0 on two, the probe 13-15 / 26-30), 0 elsewhere
 // (on Zen 4 a software prefetch held bf16 decode to 21-24 GB/s against 29-31 without).
-// The result never depends on it. set_gemv_prefetch_bytes: the override
-// (`FTJAX_GEMV_PREFETCH`, ftjax.host) and tests.
+// The result never depends on it. The AVX-512 F and AVX2 tables' GEMVs (AUTO's) take
+// it; the AVX512-BF16 table's, used only when asked for, keeps none (not measured).
+// set_gemv_prefetch_bytes: the override (`FTJAX_GEMV_PREFETCH`, ftjax.host) and tests.
 int64_t gemv_prefetch_bytes();
 void set_gemv_prefetch_bytes(int64_t bytes);
+
+// One prefetch into L2 (prefetcht1 on x86) per 64 of the `bytes` bytes at p + ahead.
+inline void prefetch_l2(const void* p, int64_t bytes, int64_t ahead) {
+  const char* c = static_cast<const char*>(p) + ahead;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+}
 
 constexpr int kMaxRows = 4;  // R
 constexpr int kMaxVecs = 6;  // J: the widest tile of any table (DotTable::max_vecs)

@@ -106,10 +106,7 @@ FTJAX_AVX2 inline __m256 row_dot(const W* row, const float* vec, int64_t n, int6
   for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
-    if (prefetch > 0) {
-      const char* c = reinterpret_cast<const char*>(row + i) + prefetch;
-      for (int64_t o = 0; o < kStep * static_cast<int64_t>(sizeof(W)); o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-    }
+    if (prefetch > 0) prefetch_l2(row + i, kStep * static_cast<int64_t>(sizeof(W)), prefetch);
     for (int s = 0; s < kStep / 16; ++s) {
       __m256 wa, wb, xa, xb;
       load16(row + i + 16 * s, wa, wb);

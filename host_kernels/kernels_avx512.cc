@@ -58,12 +58,6 @@ FTJAX_AVX512 inline __m256 hsum8(const __m256* v) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One prefetcht1 per 64 of the `bytes` bytes at p + ahead.
-FTJAX_AVX512 inline void prefetch_l2(const void* p, int64_t bytes, int64_t ahead) {
-  const char* c = static_cast<const char*>(p) + ahead;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-}
-
 template <typename W>
 FTJAX_AVX512 inline void prefetch_step(const W* row) {
   for (int64_t l = 0; l < kStep; l += 64 / static_cast<int64_t>(sizeof(W)))
