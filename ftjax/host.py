@@ -183,11 +183,46 @@ def isa_report() -> dict[str, str | int]:
 
 
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:
-    """Whether an expert FFN call of `dtype` experts (a pool format name) multiplies on AMX
-    tiles: bf16 (activations rounded to bf16) or Q8_0 (the exact path's int8 sums); the
-    kernel's own rule (host_kernels/expert_ffn.cc `expert_ffn_takes_tiles`)."""
-    wtype = WEIGHT_TYPE_CODES.get(dtype, _hk.DTYPE_F32)
-    return _hk.expert_ffn_takes_tiles(resolve_isa(isa).value, wtype, wtype, d_model, d_ff, num_tokens)
+    """Whether an expert FFN call of `dtype` experts (a pool format name, or a pair
+    'gate_up/down') multiplies on AMX tiles: bf16, Q4_K and Q6_K on the bf16 tiles
+    (activations rounded to bf16, block weights widened to bf16), Q8_0 on the int8 tiles
+    (the exact path's int8 sums); the kernel's own rule (host_kernels/expert_ffn.cc
+    `expert_ffn_takes_tiles`)."""
+    parts = part_formats(dtype)
+    return _hk.expert_ffn_takes_tiles(resolve_isa(isa).value, WEIGHT_TYPE_CODES[parts["gate_up"].name],
+                                      WEIGHT_TYPE_CODES[parts["down"].name], d_model, d_ff, num_tokens)
+
+
+def tile_kind(dtype: str) -> str | None:
+    """The AMX tiles weights of format `dtype` multiply on in a call that takes tiles: "bf16"
+    (bf16, and the formats widened to bf16 row pass by row pass: Q4_K, Q6_K, Q4_K-or-Q6_K;
+    activations rounded to bf16), "int8" (Q8_0 where AMX-INT8 passed its self-check: the
+    exact path's int8 sums), or None (the exact kernels always); host_kernels/amx.cc
+    `amx_tiles_for`."""
+    return _hk.amx_tile_kind(WEIGHT_TYPE_CODES[dtype]) or None
+
+
+def linear_takes_tiles(isa: Isa, num_tokens: int, rows: int, cols: int, wtype: str) -> bool:
+    """Whether a dense `linear` call of `wtype` weights [rows, cols] over num_tokens tokens
+    multiplies on AMX tiles (the same weight types as `takes_amx_tiles`; rows a multiple of
+    16); the kernel's rule (host_kernels/linear.cc `linear_takes_tiles`)."""
+    return _hk.linear_takes_tiles(resolve_isa(isa).value, WEIGHT_TYPE_CODES[wtype], rows, cols, num_tokens)
+
+
+def dequant_bf16_fast(dtype: str) -> bool:
+    """Whether the AMX tiles widen `dtype` rows to bf16 with vector code on this CPU."""
+    return _hk.dequant_bf16_fast(WEIGHT_TYPE_CODES[dtype])
+
+
+def dequant_bf16(w: np.ndarray, wtype: str, simd: bool = True) -> np.ndarray:
+    """A block format's rows (uint8 [N, row bytes]) widened to bf16 bits [N, K] as the AMX
+    tiles widen them (simd, where `dequant_bf16_fast`), or by the kernels' scalar reference.
+    Equals the format's numpy twin rounded to bf16 (host_kernels/dequant.h)."""
+    fmt = FORMATS[wtype]
+    w = np.ascontiguousarray(w).view(np.uint8).reshape(w.shape[0], -1)
+    out = np.empty((w.shape[0], fmt.row_len(w.shape[1] // fmt.storage.itemsize)), np.uint16)
+    _hk.dequant_bf16(w, WEIGHT_TYPE_CODES[wtype], out, simd)
+    return out
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -209,18 +244,22 @@ def default_boundary(platform: str | None = None) -> Boundary:
 
 
 _DENSE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ftjax_dense_threads", default=None)
+_DENSE_ISA: contextvars.ContextVar[Isa] = contextvars.ContextVar("ftjax_dense_isa", default=Isa.AUTO)
 
 
 @contextlib.contextmanager
-def thread_limit(threads: int | None):
+def dense_settings(threads: int | None, isa: Isa = Isa.AUTO):
     """Within this block, `linear` traced into a program uses `threads` workers (None:
-    every core the process may run on). A loaded model traces its steps inside it, so
-    `load(threads=N)` caps the dense kernel as well as the expert kernels."""
-    token = _DENSE_THREADS.set(threads)
+    every core the process may run on) and, unless a call names one, `isa` (AMX_BF16:
+    calls of >= 16 tokens on AMX tiles, `linear_takes_tiles`). A loaded model traces its
+    steps inside it, so `load(threads=N)` caps the dense kernel as well as the expert
+    kernels, and numerics="fast" puts its prefill's dense products on the tiles too."""
+    threads_token, isa_token = _DENSE_THREADS.set(threads), _DENSE_ISA.set(isa)
     try:
         yield
     finally:
-        _DENSE_THREADS.reset(token)
+        _DENSE_THREADS.reset(threads_token)
+        _DENSE_ISA.reset(isa_token)
 
 
 def dense_threads() -> int:
@@ -308,6 +347,7 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
     if boundary is Boundary.FFI_CPU:
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
+        isa = isa if isa is not Isa.AUTO else _DENSE_ISA.get()
         y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
                  isa=np.int32(resolve_isa(isa).value))
     else:
@@ -344,15 +384,19 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     """numpy (float64) reference of `linear` under `isa`: x [T, K], w [N, K] (float32 or
     bf16 bits; or a block format's uint8 rows named by `wtype`, dequantised by the format's
     numpy twin), the activations quantised or rounded as the kernel does
-    (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16`)."""
+    (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16` and on the bf16
+    tiles, where block weights are widened to bf16 too: `linear_takes_tiles`, `tile_kind`)."""
     fmt = weight_format(w, wtype)
     x = np.asarray(x, np.float32)
-    if fmt.act_block:
+    w32 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1)
+    tiles = linear_takes_tiles(isa, len(x), w32.shape[0], w32.shape[1], fmt.name)
+    if tiles and tile_kind(fmt.name) == "bf16":
+        x, w32 = round_to_bf16(x), round_to_bf16(w32)
+    elif fmt.act_block:
         x = fmt.act_numpy(x)
     elif np.asarray(w).dtype == np.uint16 and rounds_activations_to_bf16(isa):
         x = round_to_bf16(x)
-    w64 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1).astype(np.float64)
-    return (x.astype(np.float64) @ w64.T).astype(np.float32)
+    return (x.astype(np.float64) @ w32.astype(np.float64).T).astype(np.float32)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv_len: jax.Array,
@@ -592,23 +636,27 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
     [Lm, E, D, F] (float32 or bf16 bits; or a block format's uint8 rows, named by
     `dtype` (a pool format name: 'q4_k/q6_k' for two part formats), dequantised by the
     format's numpy twin: the gguf package's for the GGUF types), x [T, D], ids / weights [T, K] -> y [T, D],
-    the activations quantised or rounded as the kernel under `isa` does."""
+    the activations quantised or rounded, and block weights widened to bf16, as the kernel
+    under `isa` does (a call on the bf16 tiles: `takes_amx_tiles`, `tile_kind`)."""
     fmts = part_formats(dtype) if dtype is not None else None
     parts = {"gate_up": gate_up, "down": down}
-
-    def f64(a, part):
-        return fmts[part].to_f32_numpy(a).astype(np.float64) if fmts else _weights_f64(a)
-
-    def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
-        if fmts and fmts[part].act_block:
-            return fmts[part].act_numpy(v).astype(np.float64)
-        if np.asarray(parts[part]).dtype == np.uint16 and (tiles or rounds_activations_to_bf16(isa)):
-            return round_to_bf16(v).astype(np.float64)
-        return v
-
     d_ff = gate_up.shape[-2] // 2
     bf16 = all(np.asarray(a).dtype == np.uint16 for a in parts.values())
-    tiles = not fmts and takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, "bfloat16" if bf16 else "float32")
+    dtype = dtype or ("bfloat16" if bf16 else "float32")
+    tiles = takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, dtype)
+    kinds = {part: tile_kind(f.name) if tiles else None for part, f in part_formats(dtype).items()}
+
+    def f64(a, part):  # weights widened to bf16 on the bf16 tiles (dequant.h)
+        w = fmts[part].to_f32_numpy(a) if fmts else _weights_f64(a)
+        return (round_to_bf16(w) if fmts and kinds[part] == "bf16" else w).astype(np.float64)
+
+    def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
+        if kinds[part] == "bf16" or (np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa)):
+            return round_to_bf16(v).astype(np.float64)
+        if fmts and fmts[part].act_block:
+            return fmts[part].act_numpy(v).astype(np.float64)
+        return v
+
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):

@@ -437,8 +437,9 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
     prefill_chunk: prompts longer than this prefill in chunks (attention memory O(chunk));
     numerics: "exact" keeps every cached activation in f32 (what the parity suite checks
     against transformers); "fast" stores the attention K/V cache in bf16 and, where the
-    CPU has AMX tiles, prefills bf16 host experts with bf16-rounded activations
-    (`host.expert_isa`), as llama.cpp does (half the bytes a long-context decode step
+    CPU has AMX tiles, prefills host experts and dense products on them (bf16, Q4_K,
+    Q6_K weights with bf16-rounded activations, Q8_0 on the int8 tiles: `host.expert_isa`,
+    `host.dense_settings`), as llama.cpp does (half the bytes a long-context decode step
     reads, ~3x the expert prefill rate; perplexity within 0.5% of exact, greedy tokens
     equal on the suite's prompts, checked by a test); "auto"
     (default): fast for checkpoints whose weights are bf16 / fp16 / quantised, exact for
@@ -555,13 +556,15 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         raise ValueError(f"max_seq_len must be in 2..{cfg.max_position} (the model's context, "
                          f"max_position_embeddings), got {max_seq_len!r}")
     max_len = max_seq_len or cfg.max_position
-    streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads) \
+    from ftjax.host import expert_isa
+    dense_isa = expert_isa(numerics)  # fast: prefill's dense products on AMX tiles too
+    streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads, dense_isa) \
         if pol.name != "device" and streamable and placement.mesh is None else None
     threshold = prefill_stream_threshold or stream_threshold(cfg.num_experts, cfg.top_k)
     model = Model(config=cfg, tokenizer=tokenizer, checkpoint=ckpt, policy=policy, max_seq_len=max_len,
                   bandwidth=bandwidth, _graphdef=graphdef, _params=params,
                   _pool_dev=pool_view(pool, "device" if pol.name == "device" else "pinned_host", placement),
-                  _steps=Steps(graphdef, executor, threads), _xstate=_initial_xstate(executor, pool, placement),
+                  _steps=Steps(graphdef, executor, threads, dense_isa), _xstate=_initial_xstate(executor, pool, placement),
                   _telemetry=Telemetry(keep_records), _streamed=streamed, prefill_mode=prefill,
                   stream_threshold=threshold, fingerprint=fingerprint(ckpt, kv_dtype), prefill_chunk=prefill_chunk,
                   kv_dtype=kv_dtypes[kv_dtype], numerics=numerics, calibration=calibration, _host=host,

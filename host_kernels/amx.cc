@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "dequant.h"
 
 #if defined(__x86_64__) && defined(__linux__)
 
@@ -129,7 +130,7 @@ std::string check_product() {
   std::vector<float> out(R * stride);
   {
     AmxScope scope;
-    amx_dots(w.data(), K * 2, R, packed.data(), blocks, K, out.data(), stride);
+    amx_dots(WeightType::kBF16, w.data(), K * 2, R, packed.data(), blocks, K, out.data(), stride);
   }
   auto f = [](uint16_t bits) {
     const uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -220,23 +221,21 @@ const std::string& amx_bf16_status() {
 AmxScope::AmxScope(AmxTiles tiles) { load_config(tiles); }
 AmxScope::~AmxScope() { release_tiles(); }
 
-void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed, int64_t blocks,
-              int64_t K, float* out, int64_t out_stride) {
+void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
+              int64_t blocks, int64_t K, float* out, int64_t out_stride) {
   const int64_t tiles = K / kAmxK, block_bytes = tiles * kTileBytes, stride_bytes = out_stride * 4;
-  const char* base = reinterpret_cast<const char*>(rows);
+  const char* base = static_cast<const char*>(rows);
   const char* b_base = reinterpret_cast<const char*>(packed);
   thread_local std::vector<char> scratch;
   scratch.resize(tiles * kATileBytes + 64);
   char* copy = scratch.data() + (-reinterpret_cast<intptr_t>(scratch.data()) & 63);
-  const bool copied = blocks > kCopyAfterBlocks;
+  const bool copied = w != WeightType::kBF16 || blocks > kCopyAfterBlocks;
   for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxPass) {
     const int64_t nr = std::min<int64_t>(kAmxPass, num_rows - r0);
     ARows a{base + r0 * row_bytes, row_bytes, 64, kAmxRows * row_bytes};
-    if (copied) {
-      for (int64_t r = 0; r < nr; ++r) {
-        const char* src = base + (r0 + r) * row_bytes;
-        for (int64_t kb = 0; kb < tiles; ++kb) std::memcpy(copy + kb * kATileBytes + r * 64, src + kb * 64, 64);
-      }
+    if (copied) {  // row r's values 32kb.. at copy + kb * kATileBytes + r * 64
+      for (int64_t r = 0; r < nr; ++r)
+        dequant_bf16(w, base + (r0 + r) * row_bytes, K, reinterpret_cast<uint16_t*>(copy + r * 64), kATileBytes / 2);
       a = ARows{copy, 64, kATileBytes, kTileBytes};
     }
     for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
@@ -408,7 +407,7 @@ const std::string& amx_bf16_status() {
 }
 AmxScope::AmxScope(AmxTiles) {}
 AmxScope::~AmxScope() {}
-void amx_dots(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
+void amx_dots(WeightType, const void*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
 const std::string& amx_int8_status() {
   static const std::string status = "AMX tiles need x86-64 Linux";
   return status;
@@ -464,6 +463,36 @@ void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed
       }
     }
   }
+}
+
+}  // namespace ftjax
+
+namespace ftjax {
+
+bool amx_tiles_for(WeightType w, AmxTiles* kind) {
+  if (w == WeightType::kQ8_0 && amx_int8_ok()) {
+    *kind = AmxTiles::kInt8;
+    return true;
+  }
+  *kind = AmxTiles::kBf16;
+  return dequant_bf16_fast(w);
+}
+
+int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K) {
+  return kind == AmxTiles::kInt8 ? amx_q8_packed_bytes(n, K) : amx_packed_words(n, K) * 4;
+}
+
+void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
+  if (kind == AmxTiles::kInt8) amx_q8_pack(reinterpret_cast<const ActQ8* const*>(vecs), n, K, packed);
+  else amx_pack(vecs, n, K, reinterpret_cast<uint32_t*>(packed));
+}
+
+void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows,
+                   const uint8_t* packed, int64_t blocks, int64_t K, float* out, int64_t out_stride) {
+  if (kind == AmxTiles::kInt8)
+    amx_q8_dots(static_cast<const uint8_t*>(rows), row_bytes, num_rows, packed, blocks, K, out, out_stride);
+  else
+    amx_dots(w, rows, row_bytes, num_rows, reinterpret_cast<const uint32_t*>(packed), blocks, K, out, out_stride);
 }
 
 }  // namespace ftjax

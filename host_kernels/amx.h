@@ -16,6 +16,8 @@
 // scratch (in place, a tile's rows lie a row apart: 4 KiB for K = 2048, one L1 set, so
 // they evict each other), then meet every pair of token blocks.
 //
+// Weights in a block format (Q4_K, Q6_K) are widened to bf16 pass by pass (dequant.h).
+//
 // Availability (`amx_bf16_status`, checked once per process): CPUID names AMX-TILE and
 // AMX-BF16, XCR0 has the tile state enabled, Linux grants this process tile data
 // (arch_prctl ARCH_REQ_XCOMP_PERM), and a small product equals a scalar reference on
@@ -65,9 +67,10 @@ class AmxScope {
 };
 
 // out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
-// j < 16 * blocks: rows are bf16 bits, row_bytes apart; packed holds `blocks` token
-// blocks of amx_pack over the same K (K % 32 == 0).
-void amx_dots(const uint16_t* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
+// j < 16 * blocks: rows of weight type w, row_bytes apart: bf16 bits, or a format that
+// dequant_bf16_fast widens (each pass's 32 rows widened into the tile scratch first,
+// dequant.h); packed holds `blocks` token blocks of amx_pack over the same K (K % 32 == 0).
+void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
               int64_t blocks, int64_t K, float* out, int64_t out_stride);
 
 // ---- AMX-INT8: Q8_0 weights against ActQ8 activations -------------------------------------
@@ -100,5 +103,19 @@ void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed
 // blocks of amx_q8_pack over the same K.
 void amx_q8_dots(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed, int64_t blocks,
                  int64_t K, float* out, int64_t out_stride);
+
+// ---- Either kind, by weight type (the expert FFN's and the dense layer's tile paths) -------
+
+// Whether weights of type w multiply on tiles here, and on which: Q8_0 on the int8 tiles
+// (where amx_int8_ok), bf16 and the formats dequant_bf16_fast widens on the bf16 tiles
+// (the caller has checked amx_bf16_ok: Isa::kAmxBf16 was granted).
+bool amx_tiles_for(WeightType w, AmxTiles* kind);
+// Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, or amx_q8_packed_bytes).
+int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);
+// vecs[j] for j < n -> packed: floats for kBf16 (amx_pack), ActQ8 rows for kInt8 (amx_q8_pack).
+void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed);
+// amx_dots or amx_q8_dots, as `kind` says.
+void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows,
+                   const uint8_t* packed, int64_t blocks, int64_t K, float* out, int64_t out_stride);
 
 }  // namespace ftjax

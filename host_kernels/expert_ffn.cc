@@ -182,57 +182,46 @@ int64_t plan_down_rows(const PoolView& pool, int num_threads) {
                    num_threads);
 }
 
-// ---- AMX tiles (amx.h): a prefill call under Isa::kAmxBf16 of bf16 experts (AMX-BF16,
-// activations rounded to bf16) or of Q8_0 experts (AMX-INT8, the exact path's int8 sums) --
+// ---- AMX tiles (amx.h): a prefill call under Isa::kAmxBf16. Each part (gate/up, down)
+// multiplies on the tiles its weight type takes (amx_tiles_for): bf16 tiles for bf16 and
+// for the formats widened to bf16 pass by pass (Q4_K, Q6_K; activations rounded to bf16),
+// int8 tiles for Q8_0 (the exact path's int8 sums). ------------------------------------
 
-// Each unique expert's pairs packed for the tiles: the activations of its tokens (x,
-// K = D) before phase 1, its SwiGLU outputs (h, K = F) before phase 2. Bytes per expert:
-// amx_packed_words * 4 (bf16) or amx_q8_packed_bytes (Q8_0).
-int64_t packed_bytes(bool q8, int64_t n, int64_t K) {
-  return q8 ? amx_q8_packed_bytes(n, K) : amx_packed_words(n, K) * 4;
-}
+// The tiles of the two parts.
+struct PartTiles {
+  AmxTiles gate_up, down;
+};
 
+// Each unique expert's pairs packed for one part's tiles: the activations of its tokens
+// (x, K = D) before phase 1, its SwiGLU outputs (h, K = F) before phase 2.
 struct PackedPairs {
   std::vector<int64_t> offset;  // [U + 1] byte offset of each expert's token blocks
   AlignedFloats storage;        // the bytes, on 64-byte boundaries (each expert's too)
 
-  PackedPairs(const Routing& r, int64_t K, bool q8) : storage(offsets(r, K, q8, &offset) / 4) {}
+  PackedPairs(const Routing& r, int64_t K, AmxTiles kind) : storage(offsets(r, K, kind, &offset) / 4) {}
   uint8_t* of(size_t u) const { return reinterpret_cast<uint8_t*>(storage.data()) + offset[u]; }
 
-  static int64_t offsets(const Routing& r, int64_t K, bool q8, std::vector<int64_t>* offset) {
+  static int64_t offsets(const Routing& r, int64_t K, AmxTiles kind, std::vector<int64_t>* offset) {
     offset->assign(r.experts.size() + 1, 0);
     for (size_t u = 0; u < r.experts.size(); ++u)
-      (*offset)[u + 1] = (*offset)[u] + round_up(packed_bytes(q8, r.begin[u + 1] - r.begin[u], K), 64);
+      (*offset)[u + 1] = (*offset)[u] + round_up(amx_packed_bytes(kind, r.begin[u + 1] - r.begin[u], K), 64);
     return offset->back();
   }
 };
 
 // Expert u's pairs packed: rows [T or P, K] (by token: x rows of each pair's token; else
-// the pair's own row), floats for bf16, ActQ8 blocks (prepare_activations) for Q8_0.
-void pack_expert(const Routing& r, size_t u, const float* rows, int64_t K, bool by_token, bool q8, uint8_t* out) {
+// the pair's own row), floats for the bf16 tiles, ActQ8 blocks (prepare_activations) for int8.
+void pack_expert(const Routing& r, size_t u, const float* rows, int64_t K, bool by_token, AmxTiles kind,
+                 uint8_t* out) {
   const int64_t p_begin = r.begin[u], n = r.begin[u + 1] - p_begin;
   std::vector<const float*> vecs(n);
   for (int64_t j = 0; j < n; ++j) vecs[j] = rows + (by_token ? r.token[p_begin + j] : p_begin + j) * K;
-  if (q8) amx_q8_pack(reinterpret_cast<const ActQ8* const*>(vecs.data()), n, K, out);
-  else amx_pack(vecs.data(), n, K, reinterpret_cast<uint32_t*>(out));
+  amx_pack_tokens(kind, vecs.data(), n, K, out);
 }
-
-// out [rows, 16 * blocks] = rows . tokens on the tiles of `q8`'s kind.
-void tile_dots(bool q8, const char* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed,
-               int64_t blocks, int64_t K, float* out, int64_t out_stride) {
-  if (q8)
-    amx_q8_dots(reinterpret_cast<const uint8_t*>(rows), row_bytes, num_rows, packed, blocks, K, out, out_stride);
-  else
-    amx_dots(reinterpret_cast<const uint16_t*>(rows), row_bytes, num_rows, reinterpret_cast<const uint32_t*>(packed),
-             blocks, K, out, out_stride);
-}
-
-bool is_q8(const PoolView& pool) { return pool.wtype == WeightType::kQ8_0; }
-AmxTiles tiles_of(const PoolView& pool) { return is_q8(pool) ? AmxTiles::kInt8 : AmxTiles::kBf16; }
 
 // h[p, f] = silu(gate_f . x_t) * (up_f . x_t) as gate_up_task, for f in [f0, f1) (whole
 // tile rows), on the tiles.
-void gate_up_task_amx(const Call& c, const PackedPairs& x, const GateUpTask& task) {
+void gate_up_task_amx(const Call& c, const PackedPairs& x, AmxTiles kind, const GateUpTask& task) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
   const int64_t row_bytes = ftjax::row_bytes(c.pool.wtype, D);
   const char* gate = expert_base(c.pool.gate_up, c.pool.wtype, c, c.routing.experts[task.u], 2 * F, D);
@@ -240,15 +229,14 @@ void gate_up_task_amx(const Call& c, const PackedPairs& x, const GateUpTask& tas
   const int64_t p_begin = c.routing.begin[task.u], n = c.routing.begin[task.u + 1] - p_begin;
   const int64_t blocks = ceil_div(n, kAmxRows), width = blocks * kAmxRows;
   const float limit = c.pool.swiglu_limit;
-  const bool q8 = is_q8(c.pool);
   thread_local std::vector<float> a, b;  // [rows, tokens] of gate and of up
   a.resize(kAmxPass * width);
   b.resize(kAmxPass * width);
-  AmxScope scope(tiles_of(c.pool));
+  AmxScope scope(kind);
   for (int64_t f0 = task.f0; f0 < task.f1; f0 += kAmxPass) {
     const int64_t nf = std::min(kAmxPass, task.f1 - f0);
-    tile_dots(q8, gate + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, a.data(), width);
-    tile_dots(q8, up + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, b.data(), width);
+    amx_tile_dots(kind, c.pool.wtype, gate + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, a.data(), width);
+    amx_tile_dots(kind, c.pool.wtype, up + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, b.data(), width);
     for (int64_t j = 0; j < n; ++j) {
       float* h = c.h.data() + (p_begin + j) * F + f0;
       for (int64_t f = 0; f < nf; ++f)
@@ -258,14 +246,13 @@ void gate_up_task_amx(const Call& c, const PackedPairs& x, const GateUpTask& tas
 }
 
 // y[:, d0:d1] as down_task (experts ascending), on the tiles.
-void down_task_amx(const Call& c, const PackedPairs& h, int64_t d0, int64_t d1) {
+void down_task_amx(const Call& c, const PackedPairs& h, AmxTiles kind, int64_t d0, int64_t d1) {
   const int64_t D = c.pool.d_model, F = c.pool.d_ff;
   const int64_t row_bytes = ftjax::row_bytes(c.pool.down_wtype, F);
-  const bool q8 = is_q8(c.pool);
   float* y = c.batch.y;
   for (int64_t t = 0; t < c.batch.num_tokens; ++t) std::fill(y + t * D + d0, y + t * D + d1, 0.f);
   thread_local std::vector<float> out;  // [rows, tokens]
-  AmxScope scope(tiles_of(c.pool));
+  AmxScope scope(kind);
   for (size_t u = 0; u < c.routing.experts.size(); ++u) {
     const char* down = expert_base(c.pool.down, c.pool.down_wtype, c, c.routing.experts[u], D, F);
     const int64_t p_begin = c.routing.begin[u], n = c.routing.begin[u + 1] - p_begin;
@@ -273,7 +260,8 @@ void down_task_amx(const Call& c, const PackedPairs& h, int64_t d0, int64_t d1) 
     out.resize(kAmxPass * width);
     for (int64_t r0 = d0; r0 < d1; r0 += kAmxPass) {
       const int64_t nr = std::min(kAmxPass, d1 - r0);
-      tile_dots(q8, down + r0 * row_bytes, row_bytes, nr, h.of(u), blocks, F, out.data(), width);
+      amx_tile_dots(kind, c.pool.down_wtype, down + r0 * row_bytes, row_bytes, nr, h.of(u), blocks, F, out.data(),
+                    width);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = p_begin + j;
         float* y_t = y + c.routing.token[p] * D + r0;
@@ -284,27 +272,35 @@ void down_task_amx(const Call& c, const PackedPairs& h, int64_t d0, int64_t d1) 
   }
 }
 
-// Phase 1 in tasks of whole tile passes, packed x in, h out; h packed; phase 2. Q8_0: x and
-// h quantised to ActQ8 first (the exact path's bytes), then packed.
-void expert_ffn_amx(const Kernels& kernels, Call& call, ThreadPool* threads, int num_threads) {
+// One part's activations as its tiles take them: floats as given (bf16 tiles) or ActQ8
+// rows (int8 tiles: the exact path's bytes), in `scratch` then.
+const float* part_input(const Kernels& kernels, AmxTiles kind, WeightType w, const float* src, int64_t rows,
+                        int64_t n, AlignedFloats* scratch, ThreadPool* threads) {
+  if (kind != AmxTiles::kInt8) return src;
+  prepare_rows(kernels, w, src, rows, n, scratch->data(), threads);
+  return scratch->data();
+}
+
+// Phase 1 in tasks of whole tile passes, packed x in, h out; h packed; phase 2.
+void expert_ffn_amx(const Kernels& kernels, Call& call, PartTiles tiles, ThreadPool* threads, int num_threads) {
   const PoolView& pool = call.pool;
   const Routing& routing = call.routing;
   const int64_t U = routing.experts.size(), T = call.batch.num_tokens, P = routing.token.size();
-  const bool q8 = is_q8(pool);
-  AlignedFloats x_q(q8 ? T * pool.d_model : 0), h_q(q8 ? P * pool.d_ff : 0);
-  if (q8) prepare_rows(kernels, pool.wtype, call.batch.x, T, pool.d_model, x_q.data(), threads);
-  const float* x_rows = q8 ? x_q.data() : call.batch.x;
-  PackedPairs x(routing, pool.d_model, q8);
-  parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, x_rows, pool.d_model, true, q8, x.of(u)); });
+  AlignedFloats x_q(tiles.gate_up == AmxTiles::kInt8 ? T * pool.d_model : 0);
+  AlignedFloats h_q(tiles.down == AmxTiles::kInt8 ? P * pool.d_ff : 0);
+  const float* x_rows = part_input(kernels, tiles.gate_up, pool.wtype, call.batch.x, T, pool.d_model, &x_q, threads);
+  PackedPairs x(routing, pool.d_model, tiles.gate_up);
+  parallel_for(threads, U, [&](int64_t u) {
+    pack_expert(routing, u, x_rows, pool.d_model, true, tiles.gate_up, x.of(u));
+  });
   std::vector<GateUpTask> gate_up = plan_gate_up(pool, U, num_threads, kAmxPass);
-  parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task_amx(call, x, gate_up[i]); });
-  if (q8) prepare_rows(kernels, pool.down_wtype, call.h.data(), P, pool.d_ff, h_q.data(), threads);
-  const float* h_rows = q8 ? h_q.data() : call.h.data();
-  PackedPairs h(routing, pool.d_ff, q8);
-  parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, h_rows, pool.d_ff, false, q8, h.of(u)); });
+  parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task_amx(call, x, tiles.gate_up, gate_up[i]); });
+  const float* h_rows = part_input(kernels, tiles.down, pool.down_wtype, call.h.data(), P, pool.d_ff, &h_q, threads);
+  PackedPairs h(routing, pool.d_ff, tiles.down);
+  parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, h_rows, pool.d_ff, false, tiles.down, h.of(u)); });
   const int64_t rows = round_up(plan_down_rows(pool, num_threads), kAmxPass);
   parallel_for(threads, ceil_div(pool.d_model, rows), [&](int64_t i) {
-    down_task_amx(call, h, i * rows, std::min(pool.d_model, (i + 1) * rows));
+    down_task_amx(call, h, tiles.down, i * rows, std::min(pool.d_model, (i + 1) * rows));
   });
 }
 
@@ -312,10 +308,9 @@ void expert_ffn_amx(const Kernels& kernels, Call& call, ThreadPool* threads, int
 
 bool expert_ffn_takes_tiles(Isa isa, WeightType wtype, WeightType down_wtype, int64_t d_model, int64_t d_ff,
                             int64_t num_tokens) {
-  const bool bf16 = wtype == WeightType::kBF16 && down_wtype == WeightType::kBF16;
-  const bool q8 = wtype == WeightType::kQ8_0 && down_wtype == WeightType::kQ8_0 && amx_int8_ok();
-  return isa == Isa::kAmxBf16 && (bf16 || q8) && d_model % kAmxPass == 0 && d_ff % kAmxPass == 0 &&
-         num_tokens >= kAmxMinTokens;
+  AmxTiles kind;
+  return isa == Isa::kAmxBf16 && amx_tiles_for(wtype, &kind) && amx_tiles_for(down_wtype, &kind) &&
+         d_model % kAmxPass == 0 && d_ff % kAmxPass == 0 && num_tokens >= kAmxMinTokens;
 }
 
 std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& batch,
@@ -339,7 +334,10 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
   if (expert_ffn_takes_tiles(isa, pool.wtype, pool.down_wtype, pool.d_model, pool.d_ff, batch.num_tokens)) {
     Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype), 0, layer,
               batch.x, h, h.data()};
-    expert_ffn_amx(*kernels, call, threads, num_threads);
+    PartTiles tiles;
+    amx_tiles_for(pool.wtype, &tiles.gate_up);
+    amx_tiles_for(pool.down_wtype, &tiles.down);
+    expert_ffn_amx(*kernels, call, tiles, threads, num_threads);
     return "";
   }
   const bool h_converted = converts_activations(*kernels, pool.down_wtype);  // h converted after phase 1

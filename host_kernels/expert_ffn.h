@@ -51,9 +51,10 @@ struct TokenBatch {
 // y[t] = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]). Returns "" on success, else
 // an error message (bad layer, id >= E, missing ISA); y is untouched on error.
 // experts_read, if given, receives the number of distinct experts the call read.
-// Whether a call multiplies on AMX tiles (Isa::kAmxBf16; bf16 experts, or Q8_0 experts
-// where amx_int8_ok(); D and F whole passes; a prefill's tokens); Python asks the same
-// rule (`host.takes_amx_tiles`).
+// Whether a call multiplies on AMX tiles (Isa::kAmxBf16; both parts' weight types take
+// tiles, amx_tiles_for: bf16, Q4_K, Q6_K, Q4_K-or-Q6_K on the bf16 tiles, Q8_0 on the int8
+// ones where amx_int8_ok(); D and F whole passes; a prefill's tokens); Python asks the
+// same rule (`host.takes_amx_tiles`).
 bool expert_ffn_takes_tiles(Isa isa, WeightType wtype, WeightType down_wtype, int64_t d_model, int64_t d_ff,
                             int64_t num_tokens);
 

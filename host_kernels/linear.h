@@ -29,6 +29,12 @@ struct DenseView {
   WeightType wtype;
 };
 
+// Prefill on AMX tiles: under Isa::kAmxBf16 (numerics "fast"), a call of >= 16 tokens
+// whose weight type takes tiles (amx_tiles_for: bf16, Q4_K, Q6_K on the bf16 tiles,
+// activations rounded to bf16; Q8_0 on the int8 tiles, the exact path's int8 sums) and N
+// a multiple of 16 packs its tokens once and streams row passes against them (amx.h).
+bool linear_takes_tiles(Isa isa, WeightType wtype, int64_t rows, int64_t cols, int64_t num_tokens);
+
 // y [T, N] = x [T, K] . W^T. Returns "" on success, else an error (missing ISA, K not
 // whole blocks of wtype).
 std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float* y,

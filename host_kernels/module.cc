@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "dequant.h"
 #include "attention.h"
 #include "bandwidth.h"
 #include "expert_ffn.h"
@@ -143,6 +144,23 @@ using W2 = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 // The int8 activation quantiser of the block formats (kernels.h) under `isa`, unpacked:
 // x [T, n] -> q [T, n] int8, d [T, n / block] float32, bsums [T, n / 16] int16 (block 256,
 // ActQ8K; block 32 writes none).
+bool py_dequant_bf16(nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> w, int wtype,
+                     nb::ndarray<uint16_t, nb::ndim<2>, nb::c_contig> out, bool simd) {
+  const WeightType t = static_cast<WeightType>(wtype);
+  const int64_t N = out.shape(0), K = out.shape(1);
+  if ((int64_t)w.shape(0) != N || (int64_t)w.shape(1) != row_bytes(t, K))
+    throw std::invalid_argument("w must be [N, row bytes of K weights] for out [N, K]");
+  if (K % kQuantBlock) throw std::invalid_argument("K must be a multiple of 32");
+  const bool fast = simd && dequant_bf16_fast(t);
+  for (int64_t r = 0; r < N; ++r) {
+    const uint8_t* row = w.data() + r * w.shape(1);
+    if (fast) dequant_bf16(t, row, K, out.data() + r * K, kQuantBlock);
+    else if (!dequant_bf16_scalar(t, row, K, out.data() + r * K, kQuantBlock))
+      throw std::invalid_argument("no bf16 widening of this weight type");
+  }
+  return fast;
+}
+
 void py_quantise_activations(const X2& x, int64_t block, nb::ndarray<int8_t, nb::ndim<2>, nb::c_contig> q,
                              nb::ndarray<float, nb::ndim<2>, nb::c_contig> d,
                              nb::ndarray<int16_t, nb::ndim<2>, nb::c_contig> bsums, int isa) {
@@ -377,6 +395,19 @@ NB_MODULE(_host_kernels, m) {
           return expert_ffn_takes_tiles(static_cast<Isa>(isa), static_cast<WeightType>(wtype),
                                         static_cast<WeightType>(down_wtype), d_model, d_ff, num_tokens);
         }, "Whether an expert FFN call of these shapes multiplies on AMX tiles (expert_ffn.cc's rule).");
+  m.def("linear_takes_tiles", [](int isa, int wtype, int64_t rows, int64_t cols, int64_t num_tokens) {
+          return linear_takes_tiles(static_cast<Isa>(isa), static_cast<WeightType>(wtype), rows, cols, num_tokens);
+        }, "Whether a dense linear call of these shapes multiplies on AMX tiles (linear.cc's rule).");
+  m.def("dequant_bf16", &py_dequant_bf16, "w"_a, "wtype"_a, "out"_a.noconvert(), "simd"_a,
+        "Rows of a block format (uint8 [N, row bytes]; bf16 bits: uint16 viewed as bytes) -> bf16 bits out "
+        "[N, K], as the AMX tiles widen them (simd) or by the scalar reference; returns whether simd ran.");
+  m.def("amx_tile_kind", [](int wtype) {
+          AmxTiles kind;
+          return amx_tiles_for(static_cast<WeightType>(wtype), &kind) ? (kind == AmxTiles::kInt8 ? "int8" : "bf16")
+                                                                        : "";
+        }, "The AMX tiles a weight type multiplies on under AMX_BF16 ('bf16', 'int8', '' for none): amx_tiles_for.");
+  m.def("dequant_bf16_fast", [](int wtype) { return dequant_bf16_fast(static_cast<WeightType>(wtype)); },
+        "Whether the AMX tiles widen this weight type to bf16 with vector code here.");
   m.attr("DTYPE_F32") = (int)WeightType::kF32;
   m.attr("DTYPE_BF16") = (int)WeightType::kBF16;
   m.attr("DTYPE_Q8_0") = (int)WeightType::kQ8_0;

@@ -1,16 +1,19 @@
 """Expert prefill on the CPU: ftjax's host expert kernel per ISA path against oneMKL's
 GEMM on the same products, in one run.
 
-One MoE layer of OLMoE-1B-7B's experts (E = 64, D = 2048, F = 1024, top-8; bf16, or
-Q8_0 with --dtype q8_0) and a prompt of T tokens routed at random (each token to 8
-distinct experts: ~T / 8 tokens an expert). For each thread count:
+One MoE layer of OLMoE-1B-7B's experts (E = 64, D = 2048, F = 1024, top-8; bf16, or a
+block format with --dtype: q8_0, q4_k, q4_k/q6_k = llama.cpp's Q4_K_M experts) and a
+prompt of T tokens routed at random (each token to 8 distinct experts: ~T / 8 tokens an
+expert). For each thread count:
     ftjax   HostExecutor.expert_ffn_numpy under each ISA this CPU has (AUTO's exact
             kernels, AVX512_BF16, AMX_BF16 — for Q8_0 experts AMX_BF16 means the AMX-INT8
-            tiles): the whole layer (gather, gate/up, SwiGLU, down, weighted scatter).
+            tiles, for Q4_K / Q6_K the bf16 tiles on rows widened pass by pass): the whole
+            layer (gather, gate/up, SwiGLU, down, weighted scatter).
     mkl     for each expert's gate/up [n, 2F] and down [n, D] products only (activations
             already gathered and converted: a lower bound on a layer built on it), the
             experts split over the threads, MKL's sequential layer in each:
-            cblas_gemm_bf16bf16f32 for bf16; for Q8_0 cblas_gemm_s8u8s32, the same int8
+            cblas_gemm_bf16bf16f32 for bf16 and the K formats (what their tiles
+            multiply, the widening not counted); for Q8_0 cblas_gemm_s8u8s32, the same int8
             multiply-adds with one scale per matrix — Q8_0's scale per 32 weights is not a
             GEMM MKL has, so this bounds what a library int8 GEMM could do, it does not
             compute the layer. libmkl_rt is found in --mkl-lib or in this environment's
@@ -110,12 +113,16 @@ class MklGemm:
 
 
 def mkl_layer(gemm: MklGemm, pool: HostExpertPool, x: np.ndarray, ids: np.ndarray, threads: int):
-    """A function doing every expert's two products, experts split over `threads` (int8:
-    random bytes of the experts' shapes; the products' time does not depend on values)."""
+    """A function doing every expert's two products, experts split over `threads` (int8, or
+    bf16 for block-format experts: random values of the experts' shapes; the products' time
+    does not depend on values)."""
     rng = np.random.default_rng(1)
     if gemm.int8:
         weights = {e: (rng.integers(0, 256, (2 * F, D), np.uint8), rng.integers(0, 256, (D, F), np.uint8))
                    for e in range(E)}
+    elif pool.dtype != "bfloat16":
+        weights = {e: (to_bf16_bits(rng.standard_normal((2 * F, D), np.float32) * 0.02),
+                       to_bf16_bits(rng.standard_normal((D, F), np.float32) * 0.02)) for e in range(E)}
     else:
         weights = {e: (pool.gate_up[0, e], pool.down[0, e]) for e in range(E)}
     per_expert = []
@@ -152,7 +159,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dtype", choices=["bfloat16", "q8_0"], default="bfloat16", help="the experts' format")
+    p.add_argument("--dtype", choices=["bfloat16", "q8_0", "q4_k", "q4_k/q6_k"], default="bfloat16",
+                   help="the experts' format")
     p.add_argument("--mkl-lib", default=None, help="folder holding libmkl_rt.so (default: this environment's lib)")
     add_allow_dirty_argument(p)
     args = p.parse_args()
@@ -180,7 +188,8 @@ def main() -> int:
         print(json.dumps(line), flush=True)
 
     isas = [i for i in available_isas() if i in (Isa.AVX512, Isa.AVX2, Isa.AVX512_BF16, Isa.AMX_BF16)]
-    gemm = MklGemm(lib, int8=args.dtype != "bfloat16") if lib else None
+    int8 = args.dtype == "q8_0"  # the K formats multiply on bf16 tiles
+    gemm = MklGemm(lib, int8=int8) if lib else None
     for threads in args.threads:
         for isa in isas:
             ex = HostExecutor(pool, threads=threads, isa=isa)
@@ -189,7 +198,7 @@ def main() -> int:
             emit(system="ftjax", path=isa.name.lower(), threads=threads, seconds=statistics.median(t),
                  best_ms=round(1e3 * min(t), 2), scope="whole layer")
         if gemm is None:
-            emit(system="mkl", path="cblas_gemm_s8u8s32" if args.dtype != "bfloat16" else "cblas_gemm_bf16bf16f32",
+            emit(system="mkl", path="cblas_gemm_s8u8s32" if int8 else "cblas_gemm_bf16bf16f32",
                  threads=threads, status="CANNOT TEST: no libmkl_rt.so (pip install mkl, or --mkl-lib DIR)")
             continue
         t = timed(mkl_layer(gemm, pool, x, ids, threads), args.rounds)

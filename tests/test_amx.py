@@ -13,6 +13,7 @@ import pytest
 
 import ftjax
 from ftjax import host
+from ftjax.experts.storage import FORMATS, Q46_K_BYTES, quantise_q4_k, quantise_q6_k, tagged_k_blocks, to_bf16_bits
 from ftjax.host import AMX_MIN_TOKENS, HostExecutor, Isa, available_isas, takes_amx_tiles
 from test_host_kernels import make_batch, make_pool, reference
 
@@ -128,7 +129,9 @@ def test_the_int8_self_check_is_reported_and_decides_the_q8_0_tiles():
         assert any(word in INT8_STATUS for word in ("CPUID", "XSAVE", "XCR0", "arch_prctl", "self-check", "x86-64"))
     takes = STATUS == "" and INT8_STATUS == ""
     assert takes_amx_tiles(Isa.AMX_BF16, 64, 128, 64, "q8_0") == takes
-    for dtype in ("q4_0", "q4_k", "q6_k", "mxfp4"):
+    assert host.tile_kind("q8_0") == ("int8" if INT8_STATUS == "" else None)
+    for dtype in ("q4_0", "mxfp4", "fp8_e4m3", "float32"):  # no int8 tiles, no vector widening
+        assert host.tile_kind(dtype) is None
         assert not takes_amx_tiles(Isa.AMX_BF16, 64, 256, 256, dtype)
     assert not takes_amx_tiles(Isa.AUTO, 64, 128, 64, "q8_0")
 
@@ -202,11 +205,12 @@ def test_a_q8_0_model_prefills_on_the_int8_tiles_with_the_exact_paths_tokens(mon
     experts) prefills its host experts on the int8 tiles, and with the same K/V dtype its
     greedy tokens are the exact path's and its logits within a few 1e-3: each layer's h
     is quantised to int8 from sums added in another order, so a value at a rounding
-    boundary moves one int8 step, and later layers carry it on."""
+    boundary moves one int8 step, and later layers carry it on. (Dense weights in f32, which
+    take no tiles: bf16 ones would prefill on the bf16 tiles under "fast".)"""
     monkeypatch.delenv(host.ISA_ENV, raising=False)
     prompt = list(range(5, 45))  # 40 tokens: prefill calls of >= AMX_MIN_TOKENS
-    fast = ftjax.load(policy="host", expert_dtype="int8", kv_dtype="float32")
-    exact = ftjax.load(policy="host", expert_dtype="int8", kv_dtype="float32", numerics="exact")
+    fast = ftjax.load(policy="host", expert_dtype="int8", dense_dtype="float32", kv_dtype="float32")
+    exact = ftjax.load(policy="host", expert_dtype="int8", dense_dtype="float32", kv_dtype="float32", numerics="exact")
     assert fast.checkpoint.pool.dtype == "q8_0" and fast.numerics == "fast"
     assert (fast.stats()["host_isa"], exact.stats()["host_isa"]) == ("amx_bf16", host.auto_isa().name.lower())
     assert takes_amx_tiles(Isa.AMX_BF16, len(prompt), fast.config.d_model, fast.config.d_ff_expert, "q8_0")
@@ -214,4 +218,129 @@ def test_a_q8_0_model_prefills_on_the_int8_tiles_with_the_exact_paths_tokens(mon
     scale = float(np.abs(b).max())
     np.testing.assert_allclose(a, b, rtol=0, atol=5e-3 * scale)
     assert np.mean(np.abs(a - b) > 1e-3 * scale) < 0.01 and not np.array_equal(a, b)
+    assert fast.generate(prompt, 8) == exact.generate(prompt, 8)
+
+
+
+# ---- K formats (Q4_K, Q6_K): rows widened to bf16 (host_kernels/dequant.cc), then the bf16 tiles --
+
+WIDENS = host.dequant_bf16_fast("q4_k")
+needs_widening = pytest.mark.skipif(not WIDENS, reason="no vector widening of Q4_K / Q6_K to bf16 here "
+                                                       "(it needs AVX512-BF16)")
+
+
+def block_rows(rng, dtype, rows, cols):
+    """Rows of a block format from floats of varied magnitude (a zero row, tiny and large
+    rows), Q4_K-or-Q6_K with both tags (blocks alternate)."""
+    a = rng.standard_normal((rows, cols)).astype(np.float32) * np.logspace(-4, 2, rows, dtype=np.float32)[:, None]
+    a[0] = 0.0
+    if dtype != "q4_k_or_q6_k":
+        return FORMATS[dtype].from_f32_numpy(a)
+    q4 = tagged_k_blocks(quantise_q4_k(a), "q4_k").reshape(rows, -1, Q46_K_BYTES)
+    q6 = tagged_k_blocks(quantise_q6_k(a), "q6_k").reshape(rows, -1, Q46_K_BYTES)
+    q4[:, 1::2] = q6[:, 1::2]
+    return q4.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k", "q4_k_or_q6_k", "q8_0", "q4_0", "mxfp4"])
+def test_widening_equals_the_numpy_twin_rounded_to_bf16(dtype):
+    """A widened row is the format's numpy twin (gguf's float32 operations) rounded to bf16,
+    bit for bit: the scalar reference for every block format it knows, and the vector code
+    the tiles use where this CPU runs it."""
+    rng = np.random.default_rng(len(dtype))
+    w = block_rows(rng, dtype, 12, 512)
+    want = to_bf16_bits(FORMATS[dtype].to_f32_numpy(w).reshape(12, 512))
+    np.testing.assert_array_equal(host.dequant_bf16(w, dtype, simd=False), want)
+    if host.dequant_bf16_fast(dtype):
+        np.testing.assert_array_equal(host.dequant_bf16(w, dtype, simd=True), want)
+    assert host.dequant_bf16_fast(dtype) == (dtype in ("q4_k", "q6_k", "q4_k_or_q6_k") and WIDENS)
+
+
+def k_pool(rng, dtype, num_layers, num_experts, d_model, d_ff):
+    return make_pool(rng, num_layers, num_experts, d_model, d_ff, "float32").converted(dtype)
+
+
+@needs_amx
+@needs_widening
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype,d_model,d_ff,num_tokens,top_k", [
+    ("q4_k", 256, 256, 16, 1),             # one token block
+    ("q6_k", 512, 256, 40, 2),             # a partial token block
+    ("q4_k/q6_k", 256, 512, 200, 8),       # llama.cpp's Q4_K_M parts, many tokens per expert
+    ("q4_k/q4_k_or_q6_k", 256, 256, 64, 4),  # a GGUF Q4_K_M's tagged down part
+    ("q8_0/q6_k", 256, 256, 48, 4),        # the int8 tiles for gate/up, the bf16 ones for down
+])
+def test_k_format_tiles_match_the_widening_reference(threads, dtype, d_model, d_ff, num_tokens, top_k):
+    """Q4_K / Q6_K experts on the tiles: the weights widened to bf16 and the activations
+    rounded to bf16 (the numpy reference does the same); further from the exact path's
+    int8 activations than from that reference."""
+    rng = np.random.default_rng(d_model + d_ff + num_tokens)
+    pool = k_pool(rng, dtype, 2, 6, d_model, d_ff)
+    x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
+    if host.tile_kind("q8_0") is None and dtype.startswith("q8_0"):
+        pytest.skip("no AMX-INT8 tiles here for the Q8_0 part")
+    assert takes_amx_tiles(Isa.AMX_BF16, num_tokens, d_model, d_ff, dtype)
+    executor = HostExecutor(pool, threads=threads, isa=Isa.AMX_BF16)
+    for layer in range(pool.num_layers):
+        y = executor.expert_ffn_numpy(x, layer, ids, weights)
+        ref = host.reference_expert_ffn(pool.gate_up, pool.down, layer, x, ids, weights, dtype, isa=Isa.AMX_BF16)
+        scale = max(1.0, float(np.abs(ref).max()))
+        # as for bf16 experts: h rounded to bf16 from f32 sums here, f64 there (each y sums
+        # F * K of them: a few percent of the outputs carry one such step)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-3 * scale)
+        assert np.mean(np.abs(y - ref) > 2e-5 * scale) < 0.05
+        exact = host.reference_expert_ffn(pool.gate_up, pool.down, layer, x, ids, weights, dtype)
+        assert np.abs(y - exact).max() > np.abs(y - ref).max()
+
+
+@needs_amx
+@needs_widening
+def test_k_format_tiles_are_closer_to_the_float_model_than_int8_activations():
+    """What "fast" trades for Q4_K / Q6_K experts: bf16 activations (2^-9 relative) where the
+    exact kernels quantise them to int8 per 256 values (llama.cpp's Q8_K). Against the
+    dequantised weights times the f32 activations, the tiles are the closer of the two."""
+    rng = np.random.default_rng(23)
+    pool = k_pool(rng, "q4_k/q6_k", 1, 4, 256, 256)
+    x, ids, weights = make_batch(rng, 32, 2, 256, 4)
+    truth = np.zeros((32, 256))
+    for t, k in zip(*np.nonzero(ids >= 0)):
+        gate_up, down = (a.astype(np.float64) for a in pool.dequantised(0, ids[t, k]))
+        gate, up = np.split(gate_up @ x[t], 2)
+        truth[t] += weights[t, k] * (down @ (gate / (1 + np.exp(-gate)) * up))
+    err = {isa: np.abs(HostExecutor(pool, threads=2, isa=isa).expert_ffn_numpy(x, 0, ids, weights) - truth).max()
+           for isa in (Isa.AMX_BF16, Isa.AUTO)}
+    assert err[Isa.AMX_BF16] < err[Isa.AUTO] / 2, err
+
+
+@needs_amx
+@needs_widening
+def test_k_format_tiles_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(17)
+    pool = k_pool(rng, "q4_k/q6_k", 1, 8, 256, 256)
+    x, ids, weights = make_batch(rng, 48, 4, 256, 8)
+    runs = [HostExecutor(pool, threads=t, isa=Isa.AMX_BF16).expert_ffn_numpy(x, 0, ids, weights) for t in (1, 2, 4)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
+
+
+@needs_amx
+def test_fast_numerics_prefill_the_dense_products_on_the_tiles(monkeypatch):
+    """Under numerics="fast" a model traces its steps with the dense kernel on AMX_BF16
+    (`host.dense_settings`): a prompt's attention projections and dense FFNs multiply on
+    the bf16 tiles (activations rounded to bf16), decode's single tokens keep the exact
+    kernels. The default model with f32 K/V on both sides and its experts on the device
+    (XLA, the same either way): only the dense products differ. The quality bar for that
+    is test_numerics' (perplexity within 0.5% of exact, the same greedy tokens); here the
+    40-token prompt's logits move by up to ~5% of their range at a few positions."""
+    monkeypatch.delenv(host.ISA_ENV, raising=False)
+    prompt = list(range(5, 45))
+    fast, exact = ftjax.load(kv_dtype="float32"), ftjax.load(numerics="exact")
+    assert (fast._steps.dense_isa, exact._steps.dense_isa) == (Isa.AMX_BF16, Isa.AUTO)
+    cfg = fast.config
+    assert host.linear_takes_tiles(Isa.AMX_BF16, len(prompt), cfg.d_model, cfg.d_model, "bfloat16")
+    assert not host.linear_takes_tiles(Isa.AMX_BF16, 1, cfg.d_model, cfg.d_model, "bfloat16")
+    a, b = fast.logits(prompt), exact.logits(prompt)
+    scale = float(np.abs(b).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=0.1 * scale)
+    assert 0 < np.mean(np.abs(a - b) > 1e-2 * scale) < 0.05
     assert fast.generate(prompt, 8) == exact.generate(prompt, 8)

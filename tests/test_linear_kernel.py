@@ -9,10 +9,11 @@ import pytest
 
 from ftjax import host
 from ftjax.experts.pool import to_bf16_bits
+from ftjax.experts.storage import FORMATS
 from ftjax.host import Boundary, Isa, available_isas, linear_numpy, reference_linear
 from ftjax.models.common import linear as model_linear
 
-ISAS = [i for i in available_isas() if i is not Isa.AMX_BF16]  # AMX_BF16: AUTO's linear kernels
+ISAS = [i for i in available_isas() if i is not Isa.AMX_BF16]  # AMX_BF16: the tile tests below
 
 
 def make(rng, n_out, n_in, tokens, dtype):
@@ -114,13 +115,76 @@ def test_bad_arguments_raise():
             linear_numpy(x, w, isa=Isa.AVX512)
 
 
-def test_thread_limit_caps_the_dense_kernel_pool():
-    """`load(threads=N)` traces its steps inside `host.thread_limit(N)`: the dense kernel's
-    FFI call then names the N-thread pool (`threads` attribute, the process's shared pool
-    of that size), not the all-cores one."""
+def test_dense_settings_cap_the_pool_and_choose_the_isa():
+    """`load(threads=N)` traces its steps inside `host.dense_settings(N, isa)`: the dense
+    kernel's FFI call then names the N-thread pool (`threads` attribute, the process's
+    shared pool of that size), not the all-cores one, and the block's ISA (numerics="fast":
+    AMX_BF16) unless the call names its own."""
     x, w = jnp.ones((1, 64), jnp.float32), jnp.ones((32, 64), jnp.uint16)
-    lowered = lambda: jax.jit(lambda x, w: host.linear(x, w)).lower(x, w).as_text()  # noqa: E731 (a fresh trace)
-    with host.thread_limit(1):
-        capped = lowered()
+    lowered = lambda **kw: jax.jit(lambda x, w: host.linear(x, w, **kw)).lower(x, w).as_text()  # noqa: E731
+    with host.dense_settings(1, Isa.SCALAR):
+        capped, named = lowered(), lowered(isa=Isa.AUTO if host.auto_isa() is Isa.SCALAR else host.auto_isa())
     assert "threads = 1 : i64" in capped  # the handler runs on the process's 1-thread pool
-    assert f"threads = {host.default_threads()} : i64" in lowered()
+    assert f"isa = {Isa.SCALAR.value} : i32" in capped
+    assert f"isa = {host.auto_isa().value} : i32" in named
+    plain = lowered()
+    assert f"threads = {host.default_threads()} : i64" in plain
+    assert f"isa = {host.resolve_isa(Isa.AUTO).value} : i32" in plain
+
+
+# ---- AMX tiles (a prompt's tokens under AMX_BF16: linear.cc `linear_amx`) ----------------------
+
+AMX = host.amx_bf16_status()
+needs_amx = pytest.mark.skipif(AMX != "", reason=f"no AMX-BF16 tiles here: {AMX}")
+
+
+def stored(w32: np.ndarray, wtype: str) -> tuple[np.ndarray, str | None]:
+    """float32 weights [N, K] in the storage `linear` takes for `wtype` (bf16 bits; a block
+    format's rows, named)."""
+    if wtype == "bfloat16":
+        return to_bf16_bits(w32), None
+    return FORMATS[wtype].from_f32_numpy(w32), wtype
+
+
+@needs_amx
+@pytest.mark.parametrize("wtype", ["bfloat16", "q8_0", "q4_k", "q6_k", "q4_k_or_q6_k"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n_out,n_in,tokens", [
+    (48, 256, 16),   # a 16-row last pass, one token block
+    (64, 512, 40),   # a partial token block
+    (96, 256, 600),  # three token chunks (256 tokens each), the last partial
+])
+def test_tiles_match_the_rounding_reference(wtype, threads, n_out, n_in, tokens):
+    """On the bf16 tiles the activations are rounded to bf16 and block weights widened to
+    bf16, as the reference does; Q8_0 on the int8 tiles keeps the exact path's int8 sums."""
+    kind = host.tile_kind(wtype)
+    if kind is None:
+        pytest.skip(f"{wtype} takes no tiles here")
+    rng = np.random.default_rng(n_out + n_in + tokens)
+    x, w32 = make(rng, n_out, n_in, tokens, "float32")
+    w, name = stored(w32, wtype)
+    assert host.linear_takes_tiles(Isa.AMX_BF16, tokens, n_out, n_in, wtype)
+    y = linear_numpy(x, w, threads=threads, isa=Isa.AMX_BF16, wtype=name)
+    ref = reference_linear(x, w, name, isa=Isa.AMX_BF16)
+    assert_close(y, ref)
+    exact = reference_linear(x, w, name)
+    if kind == "bf16":  # the rounding is the tiles'
+        assert np.abs(y - exact).max() > 10 * np.abs(y - ref).max()
+    else:
+        assert_close(y, exact)
+    assert np.array_equal(y, linear_numpy(x, w, threads=2, isa=Isa.AMX_BF16, wtype=name))  # threads change no bit
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["decode", "rows not whole tiles", "q4_0"])
+def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
+    """Fewer than 16 tokens, N not a multiple of 16 and formats without tiles (Q4_0) run the
+    exact kernels under AMX_BF16: AUTO's numbers, to the bit."""
+    n_out, n_in, tokens, wtype = {"decode": (64, 256, 1, "q4_k"), "rows not whole tiles": (40, 256, 32, "bfloat16"),
+                                  "q4_0": (64, 256, 32, "q4_0")}[case]
+    rng = np.random.default_rng(3)
+    x, w32 = make(rng, n_out, n_in, tokens, "float32")
+    w, name = stored(w32, wtype)
+    assert not host.linear_takes_tiles(Isa.AMX_BF16, tokens, n_out, n_in, wtype)
+    np.testing.assert_array_equal(linear_numpy(x, w, threads=2, isa=Isa.AMX_BF16, wtype=name),
+                                  linear_numpy(x, w, threads=2, isa=Isa.AUTO, wtype=name))

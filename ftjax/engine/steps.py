@@ -27,8 +27,9 @@ from ftjax.experts.executor import Executor  # or experts.parallel.ExpertParalle
 
 
 class Steps:
-    def __init__(self, graphdef, executor: Executor, threads: int | None = None):
-        self.graphdef, self.executor, self.threads = graphdef, executor, threads  # threads: dense host kernel
+    def __init__(self, graphdef, executor: Executor, threads: int | None = None, dense_isa: host.Isa = host.Isa.AUTO):
+        self.graphdef, self.executor = graphdef, executor
+        self.threads, self.dense_isa = threads, dense_isa  # the dense host kernel's (host.dense_settings)
         self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2), static_argnames=("all_logits",))
         self.decode = jax.jit(self._decode, donate_argnums=(1, 2))
 
@@ -40,7 +41,7 @@ class Steps:
             return E(layer, x, ids, w, ok, st, pool)
 
         xstate = {**xstate, "codes": E.fresh_codes()}
-        with host.thread_limit(self.threads):
+        with host.dense_settings(self.threads, self.dense_isa):
             logits, state, xstate = model(tokens, start, valid, state, experts, xstate, logits_at)
         codes = E.merged_codes(xstate.pop("codes"))
         return logits, state, xstate, codes

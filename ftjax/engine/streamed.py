@@ -65,8 +65,10 @@ def _place(block, run, first):
 
 
 class StreamedPrefill:
-    def __init__(self, graphdef, executor: Executor, moe_layers: tuple[bool, ...], threads: int | None = None):
-        self.graphdef, self.executor, self.moe_layers, self.threads = graphdef, executor, moe_layers, threads
+    def __init__(self, graphdef, executor: Executor, moe_layers: tuple[bool, ...], threads: int | None = None,
+                 dense_isa: host.Isa = host.Isa.AUTO):
+        self.graphdef, self.executor, self.moe_layers = graphdef, executor, moe_layers
+        self.threads, self.dense_isa = threads, dense_isa  # the dense host kernel's (host.dense_settings)
         self._embed = jax.jit(self._embed_fn)
         self._layer = jax.jit(self._layer_fn, static_argnames=("layer",), donate_argnums=(1,))
         self._head = jax.jit(self._head_fn, static_argnames=("all_logits",))
@@ -87,13 +89,13 @@ class StreamedPrefill:
             return E.streamed(m, x, ids, w, ok, st, block)
 
         st = {**xstate, "codes": jnp.zeros((E.num_layers, E.num_experts), jnp.int8)}
-        with host.thread_limit(self.threads):
+        with host.dense_settings(self.threads, self.dense_isa):
             x, layer_state, st = model.layers[layer](x, step, layer_state, experts, st)
         return x, layer_state, st["codes"]
 
     def _head_fn(self, params, x, length, all_logits: bool):
         model = nnx.merge(self.graphdef, params)
-        with host.thread_limit(self.threads):
+        with host.dense_settings(self.threads, self.dense_isa):
             return model.head(x) if all_logits else model.head(x, jnp.maximum(length - 1, 0))[:, 0]
 
     # ---- host side ------------------------------------------------------------------------------
