@@ -12,7 +12,12 @@ GGUFs: its AMX repack kernel (`tinygemm_kernel_amx`) runs `tileloadd` in a threa
 the tiles are not usable (seen under gdb on a 2-core Xeon VM). llama.cpp's own
 `llama-bench --repack 0` (built from the same vendored sources: `cmake -S
 vendor/llama.cpp -B build && cmake --build build --target llama-bench`) runs its
-AVX-512 path on those files; this script has no such switch through the binding.
+AVX-512 path on those files: `--llama-bench BIN` runs it (pp of --prompt tokens and tg of
+--new tokens from an empty context, --rounds repetitions, `-o jsonl`) and writes one
+`decode_llamacpp` line per round, as the binding's mode does:
+
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_llamacpp.py --llama-bench /tmp/llbench/bin/llama-bench \
+        --gguf /tmp/olmoe4-q4_k_m.gguf --threads 2 --prompt 512 --new 32 --rounds 3
 
 Conversion (`--convert`): the sdist's own `vendor/llama.cpp/convert_hf_to_gguf.py`
 (with its vendored gguf-py) writes a bf16 GGUF. The geometry checkpoint has no
@@ -185,6 +190,27 @@ def bench(args) -> None:
         "distinct_tokens": len(set(toks)), "first_tokens": toks[:8], **run_fields()}), flush=True)
 
 
+def llama_bench(args) -> None:
+    """llama.cpp's own llama-bench (its AVX-512 path: `--repack 0`), one line per round."""
+    import subprocess
+
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    cmd = [args.llama_bench, "-m", args.gguf, "-p", str(args.prompt), "-n", str(args.new), "-t", str(threads),
+           "-r", str(args.rounds), "--repack", "0", "-o", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    pp = next(t for t in tests if t["n_prompt"] == args.prompt and t["n_gen"] == 0)
+    tg = next(t for t in tests if t["n_gen"] == args.new and t["n_prompt"] == 0)
+    for r, (p_ts, g_ts) in enumerate(zip(pp["samples_ts"], tg["samples_ts"]), 1):
+        print(json.dumps({
+            "bench": "decode_llamacpp", **commit(), "machine": machine(), "gguf": args.gguf,
+            "llama_bench": {"build_commit": pp["build_commit"], "repack": pp["repack"], "type_k": pp["type_k"],
+                            "n_ubatch": pp["n_ubatch"], "tg_from": "an empty context"},
+            "threads": threads, "prompt_tokens": args.prompt, "new_tokens": args.new, "round": r,
+            "prompt_tok_per_s": round(float(p_ts), 2), "tok_per_s": round(float(g_ts), 3), **run_fields()}),
+            flush=True)
+
+
 def contexts(args) -> None:
     """Prefill of a `ctx`-token prompt, then `--new` decode steps at that context, for each
     of `--contexts` (fresh KV each time): the llama.cpp side of scripts/bench_context.py
@@ -230,10 +256,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--contexts", nargs="+", type=int, default=None,
                     help="prefill a prompt of each length, then decode --new tokens at that context")
+    ap.add_argument("--llama-bench", default=None, help="run this llama-bench binary (--repack 0) instead of the binding")
+    ap.add_argument("--rounds", type=int, default=3, help="llama-bench repetitions (one line each)")
     RUNINFO.add_allow_dirty_argument(ap)
     args = ap.parse_args()
     if not (args.convert or args.quantize):  # the measuring modes write raw lines
         RUNINFO.check_clean_or_exit(args.allow_dirty)
+    if args.llama_bench:
+        return llama_bench(args)
     if not args.extra_bufts and not args.convert:
         no_extra_buffer_types()
     if args.convert:
