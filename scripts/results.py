@@ -310,7 +310,10 @@ def weights_of(stem: str) -> str:
 
 
 def _ftjax_model(x: Line) -> str:
-    return Path(str(x.get("model"))).stem
+    """The model a line ran, named as its llama.cpp counterpart's: a bf16 GGUF ("x-bf16.gguf")
+    and the HF folder it was converted from ("x") are the same weights."""
+    stem = Path(str(x.get("model"))).stem
+    return stem[:-5] if stem.endswith("-bf16") else stem
 
 
 def _llama_model(x: Line) -> str:
@@ -734,14 +737,16 @@ QUESTIONS = [
              [prompt_tables],
              "`scripts/bench_prompt_cost.py | tail -1 >> docs/results/prompt/DATE/prompt.jsonl`"),
     Question("prefill", "Expert prefill per kernel path",
-             "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16 or Q8_0) and 512 routed tokens "
+             "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16, Q8_0 or llama.cpp's Q4_K_M "
+             "pair q4_k/q6_k) and 512 routed tokens "
              "(`scripts/bench_expert_prefill.py`): ftjax's host expert kernel under each ISA path (the exact AVX-512 "
              "/ AVX2 kernels; for bf16 experts AVX512_BF16 and the AMX tiles round activations to bf16; for Q8_0 "
-             "`amx_bf16` is the AMX-INT8 tiles, the exact path's integer sums), the whole layer; oneMKL doing only "
-             "each expert's two products, activations already gathered: `cblas_gemm_bf16bf16f32` for bf16, "
-             "`cblas_gemm_s8u8s32` for Q8_0 (one scale per matrix: the int8 work without Q8_0's scale per 32).",
+             "`amx_bf16` is the AMX-INT8 tiles, the exact path's integer sums; for Q4_K / Q6_K the bf16 tiles on rows "
+             "widened to bf16 pass by pass), the whole layer; oneMKL doing only "
+             "each expert's two products, activations already gathered: `cblas_gemm_bf16bf16f32` for bf16 and the K "
+             "formats, `cblas_gemm_s8u8s32` for Q8_0 (one scale per matrix: the int8 work without Q8_0's scale per 32).",
              [expert_prefill_tables, numerics_tables],
-             "`scripts/bench_expert_prefill.py --mkl-lib DIR [--dtype q8_0] >> docs/results/prefill/DATE/prefill.jsonl`; "
+             "`scripts/bench_expert_prefill.py --mkl-lib DIR [--dtype q8_0 | q4_k/q6_k] >> docs/results/prefill/DATE/prefill.jsonl`; "
              "`scripts/bench_decode.py --model DIR --policies host --numerics exact fast --prompt 512 --new 16 "
              "--threads 2 --no-breakdown >> docs/results/prefill/DATE/numerics.jsonl`",
              [("Whole model, exact and fast numerics", "The OLMoE-1B-7B geometry with 4 of its 16 layers "
