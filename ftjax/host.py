@@ -657,14 +657,21 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
             return fmts[part].act_numpy(v).astype(np.float64)
         return v
 
+    experts: dict[tuple[str, int], np.ndarray] = {}  # each expert's weights decoded once
+
+    def expert(part, e):
+        if (part, e) not in experts:
+            experts[part, e] = f64(parts[part][layer, e], part)
+        return experts[part, e]
+
     x = np.asarray(x, np.float64)
     y = np.zeros_like(x)  # [T, D]
     for t, k in zip(*np.nonzero(np.asarray(ids) >= 0)):
-        e = ids[t, k]
-        gu = f64(gate_up[layer, e], "gate_up") @ act(x[t], "gate_up")  # [2F]
+        e = int(ids[t, k])
+        gu = expert("gate_up", e) @ act(x[t], "gate_up")  # [2F]
         gate, up = gu[:d_ff], gu[d_ff:]
         if swiglu_limit is not None:  # clamped SwiGLU
             gate, up = np.minimum(gate, swiglu_limit), np.clip(up, -swiglu_limit, swiglu_limit)
         h = gate / (1.0 + np.exp(-gate)) * up  # [F]
-        y[t] += weights[t, k] * (f64(down[layer, e], "down") @ act(h, "down"))
+        y[t] += weights[t, k] * (expert("down", e) @ act(h, "down"))
     return y.astype(np.float32)
