@@ -373,7 +373,35 @@ std::string check_int8() {
   return denied.empty() ? check_q8_product() : denied;
 }
 
+// e^x, 16 lanes: x = n ln2 + r (ln 2 in two parts), e^r by Cephes' expf polynomial, then
+// vscalefps by n (overflow to inf, underflow to 0). x clamped to [-104, 89] first, NaN kept.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), _mm512_min_ps(_mm512_set1_ps(89.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
 }  // namespace
+
+__attribute__((target("avx512f"))) void amx_swiglu(float* gate, const float* up, int64_t n, float limit) {
+  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 g = _mm512_min_ps(hi, _mm512_loadu_ps(gate + i));  // min(hi, x): x when x is NaN
+    const __m512 u = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(up + i)));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(gate + i, _mm512_mul_ps(silu, u));
+  }
+}
 
 const std::string& amx_int8_status() {
   static const std::string status = check_int8();
@@ -414,6 +442,7 @@ const std::string& amx_int8_status() {
 }
 void amx_q8_dots(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t) {}
 bool pack_simd(const float* const*, int64_t, int64_t, uint32_t*) { return false; }
+void amx_swiglu(float*, const float*, int64_t, float) {}
 
 }  // namespace ftjax
 

@@ -104,6 +104,12 @@ void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed
 void amx_q8_dots(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed, int64_t blocks,
                  int64_t K, float* out, int64_t out_stride);
 
+// gate[i] = silu(min(gate[i], limit)) * clamp(up[i], -limit, limit) for i < n (n % 16 == 0),
+// NaN kept, as the exact path's scalar SwiGLU, with a vector exp (range reduction by ln 2,
+// Cephes' degree-6 polynomial, 2^n by vscalefps: within a few ulp of std::exp); the tile
+// paths only (every AMX CPU has AVX-512).
+void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
+
 // ---- Either kind, by weight type (the expert FFN's and the dense layer's tile paths) -------
 
 // Whether weights of type w multiply on tiles here, and on which: Q8_0 on the int8 tiles

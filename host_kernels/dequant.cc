@@ -105,16 +105,13 @@ namespace {
 #define FTJAX_DQ __attribute__((target("avx2,avx512f,avx512bw,avx512bf16,f16c")))
 #define FTJAX_DQ_INLINE FTJAX_DQ __attribute__((always_inline)) inline
 
-// 32 levels (bytes; signed when kSigned) -> bf16 (level * scale - offset) at dst: values
-// 0-15 take (scale0, offset0), 16-31 (scale1, offset1). mul then sub, as gguf: one
-// rounding each, so the floats equal the scalar reference's.
-template <bool kSigned>
-FTJAX_DQ_INLINE void put_chunk(__m256i q, float scale0, float offset0, float scale1, float offset1, uint16_t* dst) {
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  const __m512i i0 = kSigned ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
-  const __m512i i1 = kSigned ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
-  const __m512 v0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(scale0)), _mm512_set1_ps(offset0));
-  const __m512 v1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(scale1)), _mm512_set1_ps(offset1));
+// 32 signed levels (bytes) -> bf16 (level * scale) at dst: values 0-15 take scale0, 16-31
+// scale1. One rounding, as gguf's Q6_K (d * sc) * (q - 32) and the scalar reference.
+FTJAX_DQ_INLINE void put_chunk(__m256i q, float scale0, float scale1, uint16_t* dst) {
+  const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                  _mm512_set1_ps(scale0));
+  const __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                  _mm512_set1_ps(scale1));
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0)));
 }
 
@@ -163,8 +160,8 @@ FTJAX_DQ_INLINE void block_simd(const BlockQ6_K& b, uint16_t* out, int64_t strid
     for (int k = 0; k < 4; ++k) {
       const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lows[k], highs[k]), bias);
       const int g = 8 * h + 2 * k;
-      put_chunk<true>(q, d * static_cast<float>(b.scales[g]), 0.f, d * static_cast<float>(b.scales[g + 1]), 0.f,
-                      out + (4 * h + k) * stride);
+      put_chunk(q, d * static_cast<float>(b.scales[g]), d * static_cast<float>(b.scales[g + 1]),
+                out + (4 * h + k) * stride);
     }
   }
 }

@@ -237,10 +237,10 @@ void gate_up_task_amx(const Call& c, const PackedPairs& x, AmxTiles kind, const 
     const int64_t nf = std::min(kAmxPass, task.f1 - f0);
     amx_tile_dots(kind, c.pool.wtype, gate + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, a.data(), width);
     amx_tile_dots(kind, c.pool.wtype, up + f0 * row_bytes, row_bytes, nf, x.of(task.u), blocks, D, b.data(), width);
+    amx_swiglu(a.data(), b.data(), nf * width, limit);  // a = h [rows, tokens] (padding tokens: 0)
     for (int64_t j = 0; j < n; ++j) {
       float* h = c.h.data() + (p_begin + j) * F + f0;
-      for (int64_t f = 0; f < nf; ++f)
-        h[f] = silu(std::min(a[f * width + j], limit)) * std::clamp(b[f * width + j], -limit, limit);
+      for (int64_t f = 0; f < nf; ++f) h[f] = a[f * width + j];
     }
   }
 }

@@ -73,6 +73,25 @@ def test_tiles_match_the_rounding_reference(threads, d_model, d_ff, num_tokens, 
 
 
 @needs_amx
+def test_tiles_clamp_the_swiglu_and_keep_nans():
+    """The tile path's vector SwiGLU (amx_swiglu): a clamped SwiGLU (gpt-oss's limit) as the
+    reference clamps it, and a NaN in a token's activations stays in that token's output
+    (the min / max keep it, as the scalar std::min / std::clamp do) and in no other."""
+    rng = np.random.default_rng(29)
+    pool = make_pool(rng, 1, 4, 64, 64, "bfloat16")
+    x, ids, weights = make_batch(rng, 32, 2, 64, 4)
+    x *= 4  # pre-activations well past the limit
+    tiles = HostExecutor(pool, threads=2, isa=Isa.AMX_BF16, swiglu_limit=0.5)
+    y = tiles.expert_ffn_numpy(x, 0, ids, weights)
+    ref = host.reference_expert_ffn(pool.gate_up, pool.down, 0, x, ids, weights, swiglu_limit=0.5, isa=Isa.AMX_BF16)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-3 * max(1.0, float(np.abs(ref).max())))
+    x[3, 5] = np.nan
+    ids[3] = [0, -1]
+    y = tiles.expert_ffn_numpy(x, 0, ids, weights)
+    assert np.isnan(y[3]).all() and not np.isnan(np.delete(y, 3, axis=0)).any()
+
+
+@needs_amx
 def test_thread_count_does_not_change_the_sums():
     rng = np.random.default_rng(5)
     pool = make_pool(rng, 1, 8, 128, 64, "bfloat16")
