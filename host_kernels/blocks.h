@@ -11,6 +11,7 @@
 #include <new>
 
 #include "kernels.h"
+#include "thread_pool.h"
 
 namespace ftjax {
 
@@ -81,6 +82,12 @@ inline void prepare_activations(const Kernels& kernels, WeightType w, const floa
       for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(src[t * n + i]);
     }
   }
+}
+
+// prepare_activations with one row per pool task.
+inline void prepare_rows(const Kernels& kernels, WeightType w, const float* src, int64_t rows, int64_t n, float* dst,
+                         ThreadPool* threads) {
+  parallel_for(threads, rows, [&](int64_t r) { prepare_activations(kernels, w, src + r * n, 1, n, dst + r * n); });
 }
 
 // Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.

@@ -75,13 +75,6 @@ std::string group_by_expert(const TokenBatch& b, int64_t num_experts, Routing* r
 
 float silu(float a) { return a / (1.f + std::exp(-a)); }
 
-// dst [rows, n] = src [rows, n] as the dot table of weight type w reads it
-// (prepare_activations), one row per task.
-void prepare_rows(const Kernels& kernels, WeightType w, const float* src, int64_t rows, int64_t n, float* dst,
-                  ThreadPool* threads) {
-  parallel_for(threads, rows, [&](int64_t r) { prepare_activations(kernels, w, src + r * n, 1, n, dst + r * n); });
-}
-
 // Work shared by every task of one call.
 struct Call {
   const PoolView& pool;

@@ -73,9 +73,7 @@ void linear_amx(const Kernels& kernels, const DenseView& w, AmxTiles kind, const
   const int64_t K = w.cols;
   AlignedFloats x_q(kind == AmxTiles::kInt8 ? num_tokens * K : 0);
   if (kind == AmxTiles::kInt8) {
-    parallel_for(threads, num_tokens, [&](int64_t t) {
-      prepare_activations(kernels, w.wtype, x + t * K, 1, K, x_q.data() + t * K);
-    });
+    prepare_rows(kernels, w.wtype, x, num_tokens, K, x_q.data(), threads);
     x = x_q.data();
   }
   const int64_t blocks = ceil_div(num_tokens, kAmxRows), block_bytes = amx_packed_bytes(kind, kAmxRows, K);
