@@ -202,6 +202,13 @@ def tile_kind(dtype: str) -> str | None:
     return _hk.amx_tile_kind(WEIGHT_TYPE_CODES[dtype]) or None
 
 
+def attention_takes_tiles(isa: Isa, num_tokens: int, head_dim: int) -> bool:
+    """Whether `attention` of num_tokens query tokens per row (a prompt chunk: >= 16) with
+    head_dim (a multiple of 32, <= 256) runs on the AMX-BF16 tiles under isa; the kernel's
+    rule (host_kernels/attention_tiles.cc)."""
+    return _hk.attention_takes_tiles(resolve_isa(isa).value, num_tokens, head_dim)
+
+
 def linear_takes_tiles(isa: Isa, num_tokens: int, rows: int, cols: int, wtype: str) -> bool:
     """Whether a dense `linear` call of `wtype` weights [rows, cols] over num_tokens tokens
     multiplies on AMX tiles (the same weight types as `takes_amx_tiles`; rows a multiple of
@@ -264,6 +271,11 @@ def dense_settings(threads: int | None, isa: Isa = Isa.AUTO):
 
 def dense_threads() -> int:
     return _DENSE_THREADS.get() or default_threads()
+
+
+def dense_isa() -> Isa:
+    """The ISA `dense_settings` names for the programs traced now (AUTO outside it)."""
+    return _DENSE_ISA.get()
 
 
 @functools.cache
@@ -347,7 +359,7 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
     if boundary is Boundary.FFI_CPU:
         _register_ffi_targets()
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
-        isa = isa if isa is not Isa.AUTO else _DENSE_ISA.get()
+        isa = isa if isa is not Isa.AUTO else dense_isa()
         y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
                  isa=np.int32(resolve_isa(isa).value))
     else:
@@ -403,7 +415,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
               window: int = 0, isa: Isa = Isa.AUTO) -> jax.Array:
     """Causal GQA attention of q [B, T, H, hd] over the keys s < kv_len[b] of a head-major
     cache k, v [B, G, S, hd] (f32 or bf16, read in place) -> [B, T, H, hd] float32, by the
-    C++ kernel through XLA FFI (CPU backend; callable inside `jax.jit`). positions [B, T]."""
+    C++ kernel through XLA FFI (CPU backend; callable inside `jax.jit`). positions [B, T].
+    isa AUTO: `dense_settings`' ISA; under AMX_BF16 a prompt chunk runs on the tiles
+    (`attention_takes_tiles`: q, k, v and the softmax weights rounded to bf16)."""
+    isa = isa if isa is not Isa.AUTO else dense_isa()
     _register_ffi_targets()
     call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),

@@ -395,6 +395,10 @@ NB_MODULE(_host_kernels, m) {
           return expert_ffn_takes_tiles(static_cast<Isa>(isa), static_cast<WeightType>(wtype),
                                         static_cast<WeightType>(down_wtype), d_model, d_ff, num_tokens);
         }, "Whether an expert FFN call of these shapes multiplies on AMX tiles (expert_ffn.cc's rule).");
+  m.def("attention_takes_tiles", [](int isa, int64_t num_tokens, int64_t head_dim) {
+          return attention_takes_tiles(static_cast<Isa>(isa), num_tokens, head_dim);
+        }, "isa"_a, "num_tokens"_a, "head_dim"_a,
+        "Whether attention of num_tokens query tokens per row runs on the AMX-BF16 tiles under isa.");
   m.def("linear_takes_tiles", [](int isa, int wtype, int64_t rows, int64_t cols, int64_t num_tokens) {
           return linear_takes_tiles(static_cast<Isa>(isa), static_cast<WeightType>(wtype), rows, cols, num_tokens);
         }, "Whether a dense linear call of these shapes multiplies on AMX tiles (linear.cc's rule).");

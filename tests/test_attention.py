@@ -202,6 +202,16 @@ KERNEL_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
 ]
 
 
+def random_attention_inputs(rng, B, T, H, G, hd, S, kv_len):
+    """q [B, T, H, hd] (scale 3: peaked softmaxes), f32 k, v [B, G, S, hd], each row's T
+    queries at the end of its kv_len keys (positions [B, T]), kv_len [B]."""
+    q = 3 * rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((B, G, S, hd)).astype(np.float32) for _ in range(2))
+    kv_len = np.array(kv_len, np.int32)
+    positions = np.maximum(kv_len[:, None] - T + np.arange(T)[None], 0).astype(np.int32)
+    return q, k, v, positions, kv_len
+
+
 @pytest.mark.parametrize("B,T,H,G,hd,S,kv_len,window", KERNEL_CASES)
 def test_host_attention_kernel_equals_its_reference(B, T, H, G, hd, S, kv_len, window):
     """The C++ decode-attention kernel (every ISA, f32 and bf16 caches, numpy entry and
@@ -209,11 +219,7 @@ def test_host_attention_kernel_equals_its_reference(B, T, H, G, hd, S, kv_len, w
     from ftjax import host
     from ftjax.experts.storage import to_bf16_bits
 
-    rng = np.random.default_rng(3)
-    q = 3 * rng.standard_normal((B, T, H, hd)).astype(np.float32)
-    k, v = (rng.standard_normal((B, G, S, hd)).astype(np.float32) for _ in range(2))
-    kv_len = np.array(kv_len, np.int32)
-    positions = np.maximum(kv_len[:, None] - T + np.arange(T)[None], 0).astype(np.int32)
+    q, k, v, positions, kv_len = random_attention_inputs(np.random.default_rng(3), B, T, H, G, hd, S, kv_len)
     for kk, vv, dtype in ((k, v, jnp.float32), (to_bf16_bits(k), to_bf16_bits(v), jnp.bfloat16)):
         ref = host.reference_attention(q, kk, vv, positions, kv_len, window)
         if (kv_len == 0).any():
@@ -247,3 +253,88 @@ def test_host_write_rows(dtype):
     np.testing.assert_array_equal(np.asarray(cache), before)
     with pytest.raises(Exception, match="more rows than the cache holds"):
         jax.jit(host.write_rows)(cache[:, :, :3], rows, start)
+
+
+# ---- prompt attention on the AMX-BF16 tiles (host_kernels/attention_tiles.cc) --------------
+
+TILE_STATUS = ftjax.host.amx_bf16_status()
+needs_amx = pytest.mark.skipif(TILE_STATUS != "", reason=f"no AMX-BF16 tiles here: {TILE_STATUS}")
+
+TILE_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
+    (1, 16, 4, 2, 64, 64, [16], 0),  # the fewest tokens the tiles take
+    (2, 37, 8, 2, 128, 200, [37, 120], 0),  # rows of different lengths, the second a later chunk
+    (1, 100, 4, 1, 64, 160, [130], 0),  # one KV head for four query heads
+    (1, 64, 4, 2, 64, 256, [64], 20),  # sliding window: blocks before it skipped, edges masked
+    (1, 40, 2, 2, 96, 77, [77], 0),  # S and kv_len not whole key blocks; 6 groups of 16 dimensions
+    (1, 18, 2, 1, 256, 40, [40], 0),  # the widest head: 16 groups, 8 steps of 32
+    (2, 20, 4, 2, 32, 64, [20, 0], 0),  # a row with no key in use: zeros
+]
+
+
+def rounded_reference(q, k, v, positions, kv_len, window):
+    """The tiles' inputs as they round them (q * log2(e) / sqrt(hd): scores in log2 units;
+    k, v to bf16), the rest in float64."""
+    from ftjax import host
+
+    hd = q.shape[-1]
+    widen = lambda a: host.round_to_bf16(a.astype(np.float32) if a.dtype != np.uint16 else  # noqa: E731
+                                         (a.astype(np.uint32) << 16).view(np.float32))
+    scale = np.float32(np.log2(np.e) / np.sqrt(hd))
+    qs = host.round_to_bf16(q * scale).astype(np.float64) * np.log(2) * np.sqrt(hd)
+    return host.reference_attention(qs, widen(k), widen(v), positions, kv_len, window)
+
+
+@needs_amx
+@pytest.mark.parametrize("B,T,H,G,hd,S,kv_len,window", TILE_CASES)
+def test_prompt_attention_on_the_tiles_matches_the_rounded_reference(B, T, H, G, hd, S, kv_len, window):
+    """Under AMX_BF16 a prompt chunk's attention runs on the tiles (f32 and bf16 caches,
+    numpy entry and the FFI path inside jit): within the bf16 rounding of the softmax
+    weights of the reference on bf16-rounded q, k, v; zeros where no key is visible; the
+    same bits at any thread count."""
+    from ftjax import host
+    from ftjax.experts.storage import to_bf16_bits
+
+    assert host.attention_takes_tiles(host.Isa.AMX_BF16, T, hd)
+    q, k, v, positions, kv_len = random_attention_inputs(np.random.default_rng(5), B, T, H, G, hd, S, kv_len)
+    for kk, vv, dtype in ((k, v, jnp.float32), (to_bf16_bits(k), to_bf16_bits(v), jnp.bfloat16)):
+        ref = rounded_reference(q, kk, vv, positions, kv_len, window)
+        runs = [host.attention_numpy(q, kk, vv, positions, kv_len, window, threads=n, isa=host.Isa.AMX_BF16)
+                for n in (1, 3)]
+        np.testing.assert_array_equal(runs[0], runs[1])
+        np.testing.assert_allclose(runs[0], ref, atol=6e-3, rtol=0)  # measured: up to 3.4e-3
+        exact = host.reference_attention(q, kk, vv, positions, kv_len, window)
+        assert np.abs(runs[0] - exact).max() > 1e-5  # the tiles really ran (they round)
+        if (kv_len == 0).any():
+            assert not runs[0][kv_len == 0].any()
+        dev = lambda a: jnp.asarray(a.view(jnp.bfloat16) if a.dtype == np.uint16 else a, dtype)  # noqa: E731
+        with host.dense_settings(3, host.Isa.AMX_BF16):
+            out = jax.jit(lambda *a: host.attention(*a, window=window))(q, dev(kk), dev(vv), positions, kv_len)
+        np.testing.assert_array_equal(np.asarray(out), runs[0])
+
+
+@needs_amx
+@pytest.mark.parametrize("T,hd", [(15, 64), (1, 64), (32, 48), (32, 320)])
+def test_calls_the_attention_tiles_do_not_take_keep_the_exact_kernels(T, hd):
+    """Decode-sized calls (< 16 tokens) and head dims the tiles do not hold (not a multiple
+    of 32, wider than 256) run the exact kernels under AMX_BF16, to the bit."""
+    from ftjax import host
+
+    assert not host.attention_takes_tiles(host.Isa.AMX_BF16, T, hd)
+    assert not host.attention_takes_tiles(host.Isa.AUTO, 64, 64)
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, T, 4, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 40, hd)).astype(np.float32) for _ in range(2))
+    positions, kv_len = (np.arange(T, dtype=np.int32) + 40 - T)[None], np.array([40], np.int32)
+    np.testing.assert_array_equal(host.attention_numpy(q, k, v, positions, kv_len, isa=host.Isa.AMX_BF16),
+                                  host.attention_numpy(q, k, v, positions, kv_len, isa=host.Isa.AUTO))
+
+
+def test_the_attention_tile_rule_refuses_without_amx_tiles():
+    """Where the CPU has no AMX-BF16 tiles (or they failed their self-check) no call takes
+    them, so every prompt keeps the XLA attention."""
+    from ftjax import host
+
+    assert host.attention_takes_tiles(host.Isa.AMX_BF16, 64, 64) == (TILE_STATUS == "")
+    for isa in host.Isa:
+        if isa is not host.Isa.AMX_BF16:
+            assert not host.attention_takes_tiles(isa, 64, 64)

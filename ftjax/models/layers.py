@@ -146,14 +146,17 @@ HOST_KERNEL_DECODE = True  # decode attention through the host kernel on the CPU
 
 
 def attend(q, cache_k, cache_v, positions, kv_len, window: int = 0) -> jax.Array:
-    """Attention for a layer call: on the CPU backend, for decode (T = 1), the C++ kernel
-    through the host boundary (`ftjax.host.attention`: reads each KV head's rows in use
-    once for all its query heads; at 32k keys, per layer, bf16: 16 heads x 128 15 ms,
-    GQA 32/4 8 ms vs 19 ms for the XLA form); otherwise `blocked_attention` (XLA, any
-    backend; prompt chunks, where T queries per key row make it a GEMM)."""
+    """Attention for a layer call. On the CPU backend: decode (T = 1) through the host
+    kernel (`ftjax.host.attention`: reads each KV head's rows in use once for all its
+    query heads; at 32k keys, per layer, bf16: 16 heads x 128 15 ms, GQA 32/4 8 ms vs
+    19 ms for the XLA form), and prompt chunks on the AMX tiles where `dense_settings`
+    grants them (numerics="fast" on an AMX CPU; `host.attention_takes_tiles`: a 4,096-token
+    chunk of the default model's geometry, per layer, 2 threads: 12 ms vs 139 ms for the
+    XLA form). Otherwise `blocked_attention` (XLA, any backend, f32)."""
     B, T, H, hd = q.shape
-    if jax.default_backend() == "cpu" and T == 1 and HOST_KERNEL_DECODE:
-        return host.attention(q, cache_k, cache_v, positions, kv_len, window)
+    if jax.default_backend() == "cpu":
+        if (T == 1 and HOST_KERNEL_DECODE) or host.attention_takes_tiles(host.dense_isa(), T, hd):
+            return host.attention(q, cache_k, cache_v, positions, kv_len, window)
     return blocked_attention(q, cache_k, cache_v, positions, kv_len, window)
 
 

@@ -1,0 +1,29 @@
+// Vector math shared by the AVX-512 tile paths (amx.cc's SwiGLU, attention_tiles.cc's
+// softmax). Every CPU with AMX has AVX-512; callers reach these only on such a CPU.
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+namespace ftjax {
+
+// e^x, 16 lanes: x = n ln2 + r (ln 2 in two parts), e^r by Cephes' expf polynomial, then
+// vscalefps by n (overflow to inf, underflow to 0). x clamped to [-104, 89] first, NaN kept.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), _mm512_min_ps(_mm512_set1_ps(89.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+}  // namespace ftjax
+#endif
