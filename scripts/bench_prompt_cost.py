@@ -19,7 +19,16 @@ longer over the shorter, for the pieces rule and for pow2 (1.0: cost follows the
 attention's growth with context alone adds a few percent), and the largest of them;
 commit and machine.
 
-    OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_cost.py [--context 16384] [--lengths ...] [--repeats 3]
+With `--llama-bench BIN --gguf FILE`, llama.cpp's own llama-bench (`--repack 0`, its
+AVX-512 path; as many threads as ftjax has cores) prefills the same lengths from an empty
+context on the same weights, --repeats rounds after its warm-up run, and each row gets
+`llamacpp_s` (the median round) and its rounds. The GGUF: the default model's weights
+at the context, converted by llama.cpp's converter (`bench_llamacpp.py --convert` on a
+folder holding the context's config.json and the model.safetensors: no tokenizer files,
+so it writes the "none" vocabulary; llama-bench feeds random ids).
+
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_cost.py [--context 16384] [--lengths ...] [--repeats 3] \
+        [--llama-bench /tmp/llbench/bin/llama-bench --gguf /tmp/dm16k-bf16.gguf]
 """
 
 from __future__ import annotations
@@ -87,6 +96,16 @@ def run_child(a, rule: str, cache: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llama_bench_seconds(binary: str, gguf: str, lengths: list[int], repeats: int) -> dict[int, list[float]]:
+    """llama-bench's prompt seconds per length: {tokens: [seconds per round]}."""
+    threads = len(os.sched_getaffinity(0))
+    cmd = [binary, "-m", gguf, "-p", ",".join(map(str, lengths)), "-n", "0", "-t", str(threads), "-r", str(repeats),
+           "--repack", "0", "-o", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {t["n_prompt"]: [round(ns / 1e9, 4) for ns in t["samples_ns"]] for t in tests if t["n_gen"] == 0}
+
+
 def neighbours(rows: list[dict], key: str) -> list[dict]:
     """Seconds per token of each length over its shorter neighbour's, for lengths < 15% apart."""
     rows = sorted(rows, key=lambda r: r["tokens"])
@@ -100,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: time the same lengths")
+    ap.add_argument("--gguf", default=None, help="the default model's weights as a GGUF (with --llama-bench)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rule", choices=["pieces", "pow2"], default="pieces", help=argparse.SUPPRESS)
     add_allow_dirty_argument(ap)
@@ -110,23 +131,31 @@ def main(argv=None) -> int:
     check_clean_or_exit(a.allow_dirty)
     if max(a.lengths) >= a.context:
         ap.error(f"--lengths must stay below --context {a.context}")
+    if (a.llama_bench is None) != (a.gguf is None):
+        ap.error("--llama-bench and --gguf go together")
     with tempfile.TemporaryDirectory() as cache:
         cold = run_child(a, "pieces", cache)
         restart = run_child(a, "pieces", cache)
     with tempfile.TemporaryDirectory() as cache:
         pow2 = run_child(a, "pow2", cache)
+    llama = llama_bench_seconds(a.llama_bench, a.gguf, a.lengths, a.repeats) if a.llama_bench else {}
     rows = []
     for c, r, p in zip(cold["rows"], restart["rows"], pow2["rows"]):
         rows.append({"tokens": c["tokens"], "pieces": c["pieces"], "padded": c["padded"], "first_s": c["first_s"],
                      "warm_s": c["warm_s"], "restart_first_s": r["first_s"],
                      "warm_tok_per_s": round(c["tokens"] / c["warm_s"], 1), "pow2_pieces": p["pieces"],
                      "pow2_padded": p["padded"], "pow2_warm_s": p["warm_s"]})
+        if c["tokens"] in llama:
+            rounds = llama[c["tokens"]]
+            rows[-1] |= {"llamacpp_s": sorted(rounds)[(len(rounds) - 1) // 2], "llamacpp_rounds_s": rounds}
     line = {"bench": "prompt_cost", "model": "ftjax-default", "context": a.context,
             "prefill_chunk": cold["prefill_chunk"], "repeats": a.repeats, "rows": rows,
             "neighbours": neighbours(rows, "warm_s"), "pow2_neighbours": neighbours(rows, "pow2_warm_s"),
             "max_neighbour_ratio": max((n["per_token_ratio"] for n in neighbours(rows, "warm_s")), default=None),
             "pow2_max_neighbour_ratio": max((n["per_token_ratio"] for n in neighbours(rows, "pow2_warm_s")),
                                             default=None),
+            "llamacpp": {"llama_bench": a.llama_bench, "gguf": a.gguf, "threads": len(os.sched_getaffinity(0)),
+                         "repack": 0} if a.llama_bench else None,
             "first_s_total": round(sum(r["first_s"] for r in rows), 2),
             "restart_first_s_total": round(sum(r["restart_first_s"] for r in rows), 2),
             **commit_info(), **machine_info(), **run_fields()}

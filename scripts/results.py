@@ -537,17 +537,27 @@ def prompt_tables(run: Run):
     """`scripts/bench_prompt_cost.py` lines: prefill seconds per prompt length with the
     padding-bounded pieces against one power-of-two-padded call, first call (compile
     included) in a fresh process and in a restarted one (persistent compilation cache)."""
-    rows = []
+    rows, llama = [], False
     for x in run.bench("prompt_cost"):
         for r in x.get("rows") or []:
             warm, pow2 = Value(r["warm_s"], x), Value(r["pow2_warm_s"], x)
-            rows.append([Text(f"{r['tokens']:,} tokens: pieces {'+'.join(map(str, r['pieces']))}, "
-                              f"padded {r['padded']:,} (power-of-two rule {r['pow2_padded']:,})"),
-                         warm, pow2, Ratio(pow2, warm), Value(r["first_s"], x), Value(r["restart_first_s"], x)])
+            first, restart = Value(r["first_s"], x), Value(r["restart_first_s"], x)
+            row = [Text(f"{r['tokens']:,} tokens: pieces {'+'.join(map(str, r['pieces']))}, "
+                        f"padded {r['padded']:,} (power-of-two rule {r['pow2_padded']:,})"),
+                   warm, pow2, Ratio(pow2, warm), first, restart]
+            if "llamacpp_s" in r:
+                llama = True
+                lc = Value(r["llamacpp_s"], x)
+                row += [lc, Ratio(lc, warm), Ratio(lc, first), Ratio(lc, restart)]
+            rows.append(row)
     if not rows:
         return [], []
     header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces (ratio)", "first call s (compiles)",
               "first call s, restarted process"]
+    if llama:
+        header += ["llama.cpp s (llama-bench, median)", "llama.cpp / warm", "llama.cpp / first call",
+                   "llama.cpp / restarted first call"]
+        rows = [row + [Text("—")] * (len(header) - len(row)) for row in rows]
     return [Table(run.name, header, rows, run)], []
 
 
@@ -733,9 +743,12 @@ QUESTIONS = [
              "of 16,384 tokens (`ftjax.bench.models.default_model_with_context`): the pieces of "
              "`ftjax/engine/shapes.py` (padding within 12.5%) against one call per chunk padded to a power of two, "
              "and the first call of each length in a fresh process (compiling) and in a restarted one that reads "
-             "the persistent compilation cache.",
+             "the persistent compilation cache; where the run has them, llama.cpp's llama-bench on the same weights "
+             "(a GGUF of the default model at that context), the same lengths from an empty context, as many "
+             "threads.",
              [prompt_tables],
-             "`scripts/bench_prompt_cost.py | tail -1 >> docs/results/prompt/DATE/prompt.jsonl`"),
+             "`scripts/bench_prompt_cost.py [--llama-bench BIN --gguf FILE] | tail -1 >> "
+             "docs/results/prompt/DATE/prompt.jsonl`"),
     Question("prefill", "Expert prefill per kernel path",
              "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16, Q8_0 or llama.cpp's Q4_K_M "
              "pair q4_k/q6_k) and 512 routed tokens "
