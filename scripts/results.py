@@ -555,8 +555,8 @@ def prompt_tables(run: Run):
     header = ["prompt", "warm s", "warm s, power-of-two padding", "padding / pieces (ratio)", "first call s (compiles)",
               "first call s, restarted process"]
     if llama:
-        header += ["llama.cpp s (llama-bench, median)", "llama.cpp / warm", "llama.cpp / first call",
-                   "llama.cpp / restarted first call"]
+        header += ["llama.cpp s (llama-bench, median)", "llama.cpp / warm (ratio)", "llama.cpp / first call (ratio)",
+                   "llama.cpp / restarted first call (ratio)"]
         rows = [row + [Text("—")] * (len(header) - len(row)) for row in rows]
     return [Table(run.name, header, rows, run)], []
 
