@@ -561,6 +561,30 @@ def prompt_tables(run: Run):
     return [Table(run.name, header, rows, run)], []
 
 
+def prompt_attention_tables(run: Run):
+    """`scripts/bench_prompt_attention.py` lines: one layer's attention for a prompt chunk,
+    the AMX tiles and the exact kernel per thread count against XLA's blocked form."""
+    lines = run.bench("prompt_attention")
+    threads = sorted({n for x in lines for n in (x.get("exact_ms") or {})}, key=int)
+    rows = []
+    for x in lines:
+        tiles = x.get("tiles_ms") if isinstance(x.get("tiles_ms"), dict) else {}
+        xla = Value(x.get("xla_ms"), x)
+        row = [Text(f"{x.get('geometry')} ({x.get('heads')} heads, {x.get('kv_heads')} KV heads of "
+                    f"{x.get('head_dim')}), {x.get('tokens'):,} tokens, "
+                    + ("the first chunk" if x.get("chunk") == "first" else f"after {x.get('keys') - x.get('tokens'):,} keys"))]
+        row += [Value(tiles[n], x) if n in tiles else Text("—") for n in threads]
+        row += [Value(x["exact_ms"][n], x) if n in x.get("exact_ms", {}) else Text("—") for n in threads]
+        row += [xla, Ratio(xla, Value(tiles[threads[-1]], x)) if threads and threads[-1] in tiles else Text("—")]
+        rows.append(row)
+    if not rows:
+        return [], []
+    header = (["geometry, chunk"] + [f"tiles ms, {n} thread{'s' if n != '1' else ''}" for n in threads]
+              + [f"exact kernel ms, {n} thread{'s' if n != '1' else ''}" for n in threads]
+              + ["XLA blocked ms, all cores", f"XLA / tiles at {threads[-1] if threads else '?'} threads (ratio)"])
+    return [Table(run.name, header, rows, run)], []
+
+
 def expert_prefill_tables(run: Run):
     """`scripts/bench_expert_prefill.py` lines: one MoE layer's expert prefill per kernel
     path, expert format and thread count, oneMKL's GEMMs on the same products beside them."""
@@ -749,6 +773,14 @@ QUESTIONS = [
              [prompt_tables],
              "`scripts/bench_prompt_cost.py [--llama-bench BIN --gguf FILE] | tail -1 >> "
              "docs/results/prompt/DATE/prompt.jsonl`"),
+    Question("attention", "Prompt attention per path",
+             "One layer's attention for a prompt chunk, bf16 K/V cache (`scripts/bench_prompt_attention.py`): the AMX "
+             "tiles (`host_kernels/attention_tiles.cc`, what numerics=\"fast\" runs on an AMX CPU: q, k, v and the "
+             "softmax weights rounded to bf16) and the exact f32 kernel at each thread count, against XLA's blocked "
+             "f32 form (what a prompt runs without AMX or under numerics=\"exact\") on all cores; a first chunk "
+             "from position 0 and a chunk appended after a long history.",
+             [prompt_attention_tables],
+             "`scripts/bench_prompt_attention.py >> docs/results/attention/DATE/attention.jsonl`"),
     Question("prefill", "Expert prefill per kernel path",
              "One MoE layer of OLMoE-1B-7B's experts (64 x [2048, 1024], top-8, bf16, Q8_0 or llama.cpp's Q4_K_M "
              "pair q4_k/q6_k) and 512 routed tokens "

@@ -1,0 +1,92 @@
+"""Prompt attention per path: one layer's attention for a prompt chunk on the CPU.
+
+For each head geometry (the default model's, Qwen3-30B-A3B's, OLMoE-1B-7B's), chunk of
+T query tokens and keys before it (a prompt's first chunk: from position 0; a chunk
+appended to a long history: the last T of --context keys), bf16 K/V cache [1, G, S, hd],
+the same call timed three ways:
+    tiles   ftjax.host.attention under AMX_BF16 (host_kernels/attention_tiles.cc: what
+            numerics="fast" runs on an AMX CPU; q, k, v and the softmax weights in bf16),
+            at each --threads
+    exact   the same entry under AUTO (the exact f32 kernel decode uses), at each --threads
+    xla     ftjax.models.layers.blocked_attention, jitted (f32; what a prompt ran before,
+            and what it runs without AMX or under numerics="exact"), on XLA's own pool:
+            every core the process may run on (`xla_threads`)
+Median of --rounds after a warm-up; one JSON line per (geometry, chunk), times in ms
+(tiles: CANNOT TEST where the CPU has no AMX-BF16 tiles).
+
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_attention.py [--threads 1 2] [--context 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
+
+GEOMETRIES = {"ftjax-default": (4, 2, 64), "qwen3-30b-a3b": (32, 4, 128), "olmoe-1b-7b": (16, 16, 128)}  # H, G, hd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--context", type=int, default=16384, help="keys before an appended chunk")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 4096], help="query tokens of a chunk")
+    ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
+    ap.add_argument("--rounds", type=int, default=3)
+    add_allow_dirty_argument(ap)
+    a = ap.parse_args(argv)
+    check_clean_or_exit(a.allow_dirty)
+
+    import jax
+    import jax.numpy as jnp
+
+    from ftjax import host
+    from ftjax.experts.storage import to_bf16_bits
+    from ftjax.models.layers import blocked_attention
+
+    xla = jax.jit(blocked_attention)
+    tiles_status = host.amx_bf16_status()
+    rng = np.random.default_rng(0)
+    for name in a.geometries:
+        H, G, hd = GEOMETRIES[name]
+        for T in a.chunks:
+            for where in ("first", "appended"):
+                start = 0 if where == "first" else a.context
+                S = start + T
+                k, v = (to_bf16_bits(rng.standard_normal((1, G, S, hd)).astype(np.float32)) for _ in range(2))
+                kj, vj = (jnp.asarray(x.view(jnp.bfloat16)) for x in (k, v))
+                q = rng.standard_normal((1, T, H, hd)).astype(np.float32)
+                positions, kv_len = (start + np.arange(T, dtype=np.int32))[None], np.array([S], np.int32)
+                def timed(fn):
+                    fn()
+                    times = []
+                    for _ in range(a.rounds):
+                        t0 = time.perf_counter()
+                        fn()
+                        times.append(time.perf_counter() - t0)
+                    return round(1e3 * statistics.median(times), 2)
+
+                def host_ms(isa, threads):
+                    return timed(lambda: host.attention_numpy(q, k, v, positions, kv_len, threads=threads, isa=isa))
+
+                xla_ms = timed(lambda: xla(jnp.asarray(q), kj, vj, jnp.asarray(positions),
+                                           jnp.asarray(kv_len)).block_until_ready())
+                tiles = {str(n): host_ms(host.Isa.AMX_BF16, n) for n in a.threads} if tiles_status == "" else \
+                    f"CANNOT TEST: {tiles_status}"
+                line = {"bench": "prompt_attention", "geometry": name, "heads": H, "kv_heads": G, "head_dim": hd,
+                        "tokens": T, "chunk": where, "keys": S, "kv_dtype": "bfloat16", "tiles_ms": tiles,
+                        "exact_ms": {str(n): host_ms(host.Isa.AUTO, n) for n in a.threads}, "xla_ms": xla_ms,
+                        "xla_threads": len(os.sched_getaffinity(0)), "rounds": a.rounds,
+                        **commit_info(), **machine_info(), **run_fields()}
+                print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
