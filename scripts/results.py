@@ -574,7 +574,8 @@ def prompt_attention_tables(run: Run):
                     f"{x.get('head_dim')}), {x.get('tokens'):,} tokens, "
                     + ("the first chunk" if x.get("chunk") == "first" else f"after {x.get('keys') - x.get('tokens'):,} keys"))]
         row += [Value(tiles[n], x) if n in tiles else Text("—") for n in threads]
-        row += [Value(x["exact_ms"][n], x) if n in x.get("exact_ms", {}) else Text("—") for n in threads]
+        exact = x.get("exact_ms") or {}
+        row += [Value(exact[n], x) if n in exact else Text("—") for n in threads]
         row += [xla, Ratio(xla, Value(tiles[threads[-1]], x)) if threads and threads[-1] in tiles else Text("—")]
         rows.append(row)
     if not rows:

@@ -150,9 +150,9 @@ def attend(q, cache_k, cache_v, positions, kv_len, window: int = 0) -> jax.Array
     kernel (`ftjax.host.attention`: reads each KV head's rows in use once for all its
     query heads; at 32k keys, per layer, bf16: 16 heads x 128 15 ms, GQA 32/4 8 ms vs
     19 ms for the XLA form), and prompt chunks on the AMX tiles where `dense_settings`
-    grants them (numerics="fast" on an AMX CPU; `host.attention_takes_tiles`: a 4,096-token
-    chunk of the default model's geometry, per layer, 2 threads: 12 ms vs 139 ms for the
-    XLA form). Otherwise `blocked_attention` (XLA, any backend, f32)."""
+    grants them (numerics="fast" on an AMX CPU; `host.attention_takes_tiles`: about 10x
+    the XLA form on a first chunk, 1.6-4x on one appended to a long history;
+    scripts/bench_prompt_attention.py). Otherwise `blocked_attention` (XLA, any backend, f32)."""
     B, T, H, hd = q.shape
     if jax.default_backend() == "cpu":
         if (T == 1 and HOST_KERNEL_DECODE) or host.attention_takes_tiles(host.dense_isa(), T, hd):
