@@ -63,19 +63,29 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One (b, g)'s keys and values as the tiles read them, for its key blocks [first, last).
+// One (b, g)'s keys and values as the tiles read them, for its key blocks [first, last)
+// (pack_kv).
 struct PackedKV {
   const uint16_t* k_rows = nullptr;  // bf16 rows of blocks first .. k_full - 1 (in the cache, or k_copy)
   int64_t k_full = 0;                // blocks read from k_rows; the rest from k_copy's tail
   std::vector<uint16_t> k_copy;      // f32 cache: blocks 0 .. last - 1 as bf16; bf16: blocks k_full .. last - 1
   std::vector<uint16_t> v_tiles;     // [block - first][hd / 16][2 halves][16 dims][32 keys] bf16 (0 past kv_len)
-  int64_t first = 0, last = 0;
+  int64_t first = 0;  // the first block packed (v_tiles start there)
 
   const uint16_t* key_rows(int64_t block, int64_t hd) const {  // 64 rows of hd bf16 (zero past kv_len)
     if (block < k_full) return k_rows + block * kKeyBlock * hd;
     return k_copy.data() + (block - k_full) * kKeyBlock * hd;
   }
 };
+
+// The keys [lo, hi] a query at `pos` of row b sees (empty when lo > hi): causal, within
+// the window, among the row's keys in use.
+struct KeyRange {
+  int64_t lo, hi;
+};
+KeyRange visible_keys(const AttentionArgs& a, int64_t b, int64_t pos) {
+  return {a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, std::min<int64_t>(pos, a.kv_len[b] - 1)};
+}
 
 uint16_t element_bf16(const void* base, WeightType t, int64_t i) {
   return t == WeightType::kF32 ? to_bf16(static_cast<const float*>(base)[i]) : static_cast<const uint16_t*>(base)[i];
@@ -86,7 +96,6 @@ uint16_t element_bf16(const void* base, WeightType t, int64_t i) {
 void pack_kv(const AttentionArgs& a, int64_t b, int64_t g, int64_t first, int64_t last, PackedKV& p) {
   const int64_t hd = a.hd, len = a.kv_len[b], head = (b * a.G + g) * a.S * hd;
   p.first = first;
-  p.last = last;
   const bool bf16 = a.kv_type == WeightType::kBF16;
   if (bf16) {
     p.k_rows = static_cast<const uint16_t*>(a.k) + head;
@@ -207,29 +216,27 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void qu
   alignas(64) float acc[kMaxHeadDim * kQueries];    // running out^T
   alignas(64) int32_t lo[kQueries], hi[kQueries];
   const float* vecs[kQueries];
-  const int64_t len = a.kv_len[b];
   Columns cols{};
   cols.min_lo = cols.min_hi = std::numeric_limits<int32_t>::max();
   cols.max_lo = cols.max_hi = std::numeric_limits<int32_t>::min();
   for (int64_t c = 0; c < kQueries; ++c) {
-    lo[c] = 1, hi[c] = 0;  // a padding column sees nothing
+    KeyRange keys{1, 0};  // a padding column sees nothing
     if (c < n) {
-      const int64_t t = (c0 + c) / r, j = (c0 + c) % r, pos = a.positions[b * a.T + t];
+      const int64_t t = (c0 + c) / r, j = (c0 + c) % r;
       const float* src = a.q + ((b * a.T + t) * a.H + g * r + j) * hd;
       for (int64_t i = 0; i < hd; ++i) q[c * hd + i] = src[i] * qscale;
       vecs[c] = q + c * hd;
-      lo[c] = static_cast<int32_t>(a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0);
-      hi[c] = static_cast<int32_t>(std::min<int64_t>(pos, len - 1));
+      keys = visible_keys(a, b, a.positions[b * a.T + t]);
     }
-    if (lo[c] > hi[c]) {  // nothing visible: no say in the block range
+    if (keys.lo > keys.hi) {  // nothing visible: masked in every block, no say in the block range
+      lo[c] = std::numeric_limits<int32_t>::max(), hi[c] = -1;
       cols.blind |= c < n;
       continue;
     }
+    lo[c] = static_cast<int32_t>(keys.lo), hi[c] = static_cast<int32_t>(keys.hi);
     cols.min_lo = std::min(cols.min_lo, lo[c]), cols.max_lo = std::max(cols.max_lo, lo[c]);
     cols.min_hi = std::min(cols.min_hi, hi[c]), cols.max_hi = std::max(cols.max_hi, hi[c]);
   }
-  for (int64_t c = 0; c < kQueries; ++c)
-    if (lo[c] > hi[c]) lo[c] = std::numeric_limits<int32_t>::max(), hi[c] = -1;  // masked in every block
   cols.lo = _mm512_load_si512(lo);
   cols.hi = _mm512_load_si512(hi);
   std::fill(acc, acc + hd * kQueries, 0.f);
@@ -310,9 +317,8 @@ std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads) {
   for (int64_t b = 0; b < a.B; ++b) {
     int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
     for (int64_t t = 0; t < a.T; ++t) {
-      const int64_t pos = a.positions[b * a.T + t];
-      const int64_t l = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, h = std::min<int64_t>(pos, a.kv_len[b] - 1);
-      if (l <= h) lo = std::min(lo, l), hi = std::max(hi, h);
+      const KeyRange keys = visible_keys(a, b, a.positions[b * a.T + t]);
+      if (keys.lo <= keys.hi) lo = std::min(lo, keys.lo), hi = std::max(hi, keys.hi);
     }
     first[b] = hi < 0 ? 0 : lo / kKeyBlock;
     last[b] = hi < 0 ? 0 : hi / kKeyBlock + 1;
