@@ -275,10 +275,10 @@ def rounded_reference(q, k, v, positions, kv_len, window):
     """The tiles' inputs as they round them (q * log2(e) / sqrt(hd): scores in log2 units;
     k, v to bf16), the rest in float64."""
     from ftjax import host
+    from ftjax.experts.storage import bf16_bits_to_f32
 
     hd = q.shape[-1]
-    widen = lambda a: host.round_to_bf16(a.astype(np.float32) if a.dtype != np.uint16 else  # noqa: E731
-                                         (a.astype(np.uint32) << 16).view(np.float32))
+    widen = lambda a: host.round_to_bf16(bf16_bits_to_f32(a) if a.dtype == np.uint16 else a)  # noqa: E731
     scale = np.float32(np.log2(np.e) / np.sqrt(hd))
     qs = host.round_to_bf16(q * scale).astype(np.float64) * np.log(2) * np.sqrt(hd)
     return host.reference_attention(qs, widen(k), widen(v), positions, kv_len, window)

@@ -235,6 +235,7 @@ def test_device_ffn_sums_each_tokens_own_experts(N, K, E, first):
     import jax.numpy as jnp
 
     from ftjax.experts.executor import device_ffn
+    from ftjax.host import reference_expert_ffn
 
     rng = np.random.default_rng(N)
     D, F, L = 16, 8, 3
@@ -245,10 +246,6 @@ def test_device_ffn_sums_each_tokens_own_experts(N, K, E, first):
     rows[::5, 0] = -1  # assignments without an expert
     w = rng.random((N, K)).astype(np.float32)
     y = jax.jit(lambda *a: device_ffn(*a, row_range=(first, E)))(gate_up, down, x, jnp.asarray(rows), w)
-
-    def expert(r, v):
-        h = gate_up[r].astype(np.float64) @ v
-        gate, up = h[:F], h[F:]
-        return down[r].astype(np.float64) @ (gate / (1 + np.exp(-gate)) * up)
-    ref = np.array([sum(w[n, k] * expert(rows[n, k], x[n]) for k in range(K) if rows[n, k] >= 0) for n in range(N)])
+    ids = np.where(rows >= 0, rows - first, -1)  # first = layer * E: the pool's layer `first // E`
+    ref = reference_expert_ffn(gate_up.reshape(L, E, 2 * F, D), down.reshape(L, E, D, F), first // E, x, ids, w)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
