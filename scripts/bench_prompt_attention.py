@@ -23,11 +23,16 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import numpy as np
+from bench_expert_prefill import timed
 
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
+
+def median_ms(fn, rounds: int) -> float:
+    """Median ms of `rounds` calls after a warm-up (`bench_expert_prefill.timed`)."""
+    return round(1e3 * statistics.median(timed(fn, rounds)), 2)
+
 
 GEOMETRIES = {"ftjax-default": (4, 2, 64), "qwen3-30b-a3b": (32, 4, 128), "olmoe-1b-7b": (16, 16, 128)}  # H, G, hd
 
@@ -63,20 +68,13 @@ def main(argv=None) -> int:
                 kj, vj = (jnp.asarray(x.view(jnp.bfloat16)) for x in (k, v))
                 q = rng.standard_normal((1, T, H, hd)).astype(np.float32)
                 positions, kv_len = (start + np.arange(T, dtype=np.int32))[None], np.array([S], np.int32)
-                def timed(fn):
-                    fn()
-                    times = []
-                    for _ in range(a.rounds):
-                        t0 = time.perf_counter()
-                        fn()
-                        times.append(time.perf_counter() - t0)
-                    return round(1e3 * statistics.median(times), 2)
+                on_device = [jnp.asarray(x) for x in (q, positions, kv_len)]
 
                 def host_ms(isa, threads):
-                    return timed(lambda: host.attention_numpy(q, k, v, positions, kv_len, threads=threads, isa=isa))
+                    return median_ms(lambda: host.attention_numpy(q, k, v, positions, kv_len, threads=threads, isa=isa),
+                                     a.rounds)
 
-                xla_ms = timed(lambda: xla(jnp.asarray(q), kj, vj, jnp.asarray(positions),
-                                           jnp.asarray(kv_len)).block_until_ready())
+                xla_ms = median_ms(lambda: xla(on_device[0], kj, vj, *on_device[1:]).block_until_ready(), a.rounds)
                 tiles = {str(n): host_ms(host.Isa.AMX_BF16, n) for n in a.threads} if tiles_status == "" else \
                     f"CANNOT TEST: {tiles_status}"
                 line = {"bench": "prompt_attention", "geometry": name, "heads": H, "kv_heads": G, "head_dim": hd,
