@@ -190,15 +190,21 @@ def bench(args) -> None:
         "distinct_tokens": len(set(toks)), "first_tokens": toks[:8], **run_fields()}), flush=True)
 
 
-def llama_bench(args) -> None:
-    """llama.cpp's own llama-bench (its AVX-512 path: `--repack 0`), one line per round."""
+def run_llama_bench(binary: str, gguf: str, prompts: list[int], new: int, threads: int, rounds: int) -> list[dict]:
+    """llama.cpp's own llama-bench (its AVX-512 path: `--repack 0`) -> its jsonl records:
+    one per test (pp of each prompt length, tg of `new` tokens), each with its rounds."""
     import subprocess
 
-    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
-    cmd = [args.llama_bench, "-m", args.gguf, "-p", str(args.prompt), "-n", str(args.new), "-t", str(threads),
-           "-r", str(args.rounds), "--repack", "0", "-o", "jsonl"]
+    cmd = [binary, "-m", gguf, "-p", ",".join(map(str, prompts)), "-n", str(new), "-t", str(threads),
+           "-r", str(rounds), "--repack", "0", "-o", "jsonl"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def llama_bench(args) -> None:
+    """llama-bench's pp and tg, one line per round."""
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    tests = run_llama_bench(args.llama_bench, args.gguf, [args.prompt], args.new, threads, args.rounds)
     pp = next(t for t in tests if t["n_prompt"] == args.prompt and t["n_gen"] == 0)
     tg = next(t for t in tests if t["n_gen"] == args.new and t["n_prompt"] == 0)
     for r, (p_ts, g_ts) in enumerate(zip(pp["samples_ts"], tg["samples_ts"]), 1):

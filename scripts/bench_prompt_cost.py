@@ -47,6 +47,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_llamacpp import run_llama_bench  # noqa: E402  (this folder: the script's own)
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 LENGTHS = [1000, 1100, 2000, 2100, 3945, 4169, 7900, 8300, 15000]
@@ -98,11 +99,7 @@ def run_child(a, rule: str, cache: str) -> dict:
 
 def llama_bench_seconds(binary: str, gguf: str, lengths: list[int], repeats: int) -> dict[int, list[float]]:
     """llama-bench's prompt seconds per length: {tokens: [seconds per round]}."""
-    threads = len(os.sched_getaffinity(0))
-    cmd = [binary, "-m", gguf, "-p", ",".join(map(str, lengths)), "-n", "0", "-t", str(threads), "-r", str(repeats),
-           "--repack", "0", "-o", "jsonl"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    tests = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    tests = run_llama_bench(binary, gguf, lengths, 0, len(os.sched_getaffinity(0)), repeats)
     return {t["n_prompt"]: [round(ns / 1e9, 4) for ns in t["samples_ns"]] for t in tests if t["n_gen"] == 0}
 
 
