@@ -80,9 +80,13 @@ class Isa(enum.Enum):
     AVX2 = _hk.ISA_AVX2  # AVX2 + FMA
     AVX512 = _hk.ISA_AVX512  # AVX-512 F
     AVX512_BF16 = _hk.ISA_AVX512_BF16  # + BF16 and VNNI: bf16 weights meet bf16-rounded activations (asked for only)
-    # AUTO's exact kernels, but bf16 expert prefill (>= AMX_MIN_TOKENS tokens a call) on AMX
-    # tiles with bf16-rounded activations (asked for only; numerics="fast" asks for it)
+    # AUTO's exact kernels, but prompt calls (>= AMX_MIN_TOKENS tokens: experts, dense
+    # products, attention) on AMX tiles with bf16-rounded activations (asked for only;
+    # numerics="fast" asks for it)
     AMX_BF16 = _hk.ISA_AMX_BF16
+    # the same on a CPU without AMX: the tiles' layouts multiplied with vdpbf16ps (Zen 4/5;
+    # numerics="fast" asks for it where AMX_BF16 is not available)
+    AVX512_BF16_TILES = _hk.ISA_AVX512_BF16_TILES
 
 
 AMX_MIN_TOKENS = _hk.AMX_MIN_TOKENS
@@ -102,15 +106,24 @@ def amx_int8_status() -> str:
     return _hk.amx_int8_status()
 
 
+def bf16_vector_status() -> str:
+    """'' when the bf16 tiles' vector form runs here (CPUID names AVX512-BF16, and a small
+    product equals the reference: host_kernels/amx.cc), else the reason it does not.
+    AVX512_BF16_TILES needs it."""
+    return _hk.bf16_vector_status()
+
+
 def has_avx2() -> bool:
     return _hk.has_avx2()
 
 
 def available_isas() -> list[Isa]:
     """The explicit ISAs this CPU can run, narrowest first. AUTO picks the widest exact one
-    (`auto_isa`); AVX512_BF16 and AMX_BF16 round activations to bf16 and run when asked for."""
+    (`auto_isa`); AVX512_BF16 and the tile ISAs (`tile_isas`) round activations to bf16 and
+    run when asked for."""
     supported = {Isa.SCALAR: True, Isa.AVX2: _hk.has_avx2(), Isa.AVX512: _hk.has_avx512(),
-                 Isa.AVX512_BF16: _hk.has_avx512_bf16(), Isa.AMX_BF16: amx_bf16_status() == ""}
+                 Isa.AVX512_BF16: _hk.has_avx512_bf16(), Isa.AMX_BF16: amx_bf16_status() == "",
+                 Isa.AVX512_BF16_TILES: bf16_vector_status() == ""}
     return [isa for isa, ok in supported.items() if ok]
 
 
@@ -138,7 +151,12 @@ set_gemv_prefetch_from_env()
 def auto_isa() -> Isa:
     """The widest exact ISA of this CPU: float32 activations meet every float weight (the
     C++ kernels' own choice for AUTO)."""
-    return [i for i in available_isas() if i not in (Isa.AVX512_BF16, Isa.AMX_BF16)][-1]
+    return [i for i in available_isas() if i not in (Isa.AVX512_BF16, *tile_isas())][-1]
+
+
+def tile_isas() -> tuple[Isa, Isa]:
+    """The ISAs whose prompt calls multiply on the bf16 tiles: AMX_BF16 and its vector form."""
+    return Isa.AMX_BF16, Isa.AVX512_BF16_TILES
 
 
 def resolve_isa(isa: Isa = Isa.AUTO) -> Isa:
@@ -167,19 +185,25 @@ def rounds_activations_to_bf16(isa: Isa = Isa.AUTO) -> bool:
 
 def expert_isa(numerics: str) -> Isa:
     """The ISA a model's host experts run with: under numerics="fast", AMX_BF16 where its
-    self-check passed (bf16 expert prefill on tiles, activations rounded to bf16 as
-    llama.cpp does; decode stays exact); else AUTO. $FTJAX_ISA, when set, decides."""
-    if numerics == "fast" and not os.environ.get(ISA_ENV, "").strip() and amx_bf16_status() == "":
-        return Isa.AMX_BF16
+    self-check passed, else AVX512_BF16_TILES where that one passed (prompts on the bf16
+    tiles or their vector form, activations rounded to bf16 as llama.cpp does; decode stays
+    exact); else AUTO. $FTJAX_ISA, when set, decides."""
+    if numerics == "fast" and not os.environ.get(ISA_ENV, "").strip():
+        if amx_bf16_status() == "":
+            return Isa.AMX_BF16
+        if bf16_vector_status() == "":
+            return Isa.AVX512_BF16_TILES
     return Isa.AUTO
 
 
 def isa_report() -> dict[str, str | int]:
     """What the kernels run with on this machine, for benchmark lines and `ftjax profile`:
-    the exact ISA AUTO means, the AMX self-checks ("ok" or why not), and how far ahead the
-    decode GEMV prefetches into L2."""
+    the exact ISA AUTO means, the self-checks of the AMX tiles and of their vector form
+    ("ok" or why not), what numerics="fast" prefills with, and how far ahead the decode
+    GEMV prefetches into L2."""
     return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok",
-            "amx_int8": amx_int8_status() or "ok", "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
+            "amx_int8": amx_int8_status() or "ok", "bf16_vector": bf16_vector_status() or "ok",
+            "fast": expert_isa("fast").name.lower(), "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
 
 
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:
@@ -193,13 +217,13 @@ def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: s
                                       WEIGHT_TYPE_CODES[parts["down"].name], d_model, d_ff, num_tokens)
 
 
-def tile_kind(dtype: str) -> str | None:
-    """The AMX tiles weights of format `dtype` multiply on in a call that takes tiles: "bf16"
-    (bf16, and the formats widened to bf16 row pass by row pass: Q4_K, Q6_K, Q4_K-or-Q6_K;
-    activations rounded to bf16), "int8" (Q8_0 where AMX-INT8 passed its self-check: the
-    exact path's int8 sums), or None (the exact kernels always); host_kernels/amx.cc
-    `amx_tiles_for`."""
-    return _hk.amx_tile_kind(WEIGHT_TYPE_CODES[dtype]) or None
+def tile_kind(dtype: str, isa: Isa) -> str | None:
+    """The tiles weights of format `dtype` multiply on under `isa` in a call that takes
+    tiles: "bf16" (bf16, and the formats widened to bf16 row pass by row pass: Q4_K, Q6_K,
+    Q4_K-or-Q6_K; activations rounded to bf16; on AMX or in the vector form), "int8" (Q8_0
+    under AMX_BF16 where AMX-INT8 passed its self-check: the exact path's int8 sums), or
+    None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
+    return _hk.amx_tile_kind(resolve_isa(isa).value, WEIGHT_TYPE_CODES[dtype]) or None
 
 
 def attention_takes_tiles(isa: Isa, num_tokens: int, head_dim: int) -> bool:
@@ -402,7 +426,7 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     x = np.asarray(x, np.float32)
     w32 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1)
     tiles = linear_takes_tiles(isa, len(x), w32.shape[0], w32.shape[1], fmt.name)
-    if tiles and tile_kind(fmt.name) == "bf16":
+    if tiles and tile_kind(fmt.name, isa) == "bf16":
         x, w32 = round_to_bf16(x), round_to_bf16(w32)
     elif fmt.act_block:
         x = fmt.act_numpy(x)
@@ -659,7 +683,7 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
     bf16 = all(np.asarray(a).dtype == np.uint16 for a in parts.values())
     dtype = dtype or ("bfloat16" if bf16 else "float32")
     tiles = takes_amx_tiles(isa, len(x), x.shape[-1], d_ff, dtype)
-    kinds = {part: tile_kind(f.name) if tiles else None for part, f in part_formats(dtype).items()}
+    kinds = {part: tile_kind(f.name, isa) if tiles else None for part, f in part_formats(dtype).items()}
 
     def f64(a, part):  # weights widened to bf16 on the bf16 tiles (dequant.h)
         w = fmts[part].to_f32_numpy(a) if fmts else _weights_f64(a)

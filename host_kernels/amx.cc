@@ -79,6 +79,46 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const ARows& a, cons
   }
 }
 
+// tile_pass in the vector form (AmxTiles::kBf16Vector): the pass's rows (16 or 32) eight
+// at a time against its one or two token blocks, 8 x J zmm accumulators. Step (tile kb,
+// pair p): each token block's row p of B (16 tokens' values 32 kb + 2p, + 1) is one load;
+// each weight row's same pair is broadcast, and vdpbf16ps adds its two products into
+// every token's lane.
+template <bool kTwoTokenBlocks>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void vector_pass(const ARows& a, int64_t num_rows,
+                                                                          const char* b, int64_t block_bytes,
+                                                                          int64_t K, float* out,
+                                                                          int64_t out_stride) {
+  constexpr int kRows = 8, kBlocks = kTwoTokenBlocks ? 2 : 1;
+  const int64_t tiles = K / kAmxK;
+  for (int64_t m0 = 0; m0 < num_rows; m0 += kRows) {
+    const char* row[kRows];  // row m's pair p of tile kb: row[m] + kb * tile_step + 4 p
+    for (int m = 0; m < kRows; ++m) {
+      const int64_t r = m0 + m;
+      row[m] = a.base + r / kAmxRows * a.half_step + r % kAmxRows * a.row_step;
+    }
+    __m512 acc[kRows][kBlocks];
+    for (int m = 0; m < kRows; ++m)
+      for (int j = 0; j < kBlocks; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < tiles; ++kb) {
+      const char* bk = b + kb * kTileBytes;
+      const int64_t at = kb * a.tile_step;
+      for (int64_t p = 0; p < kAmxRows; ++p) {
+        __m512bh x[kBlocks];
+        for (int j = 0; j < kBlocks; ++j) x[j] = (__m512bh)_mm512_loadu_si512(bk + j * block_bytes + p * 64);
+        for (int m = 0; m < kRows; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, row[m] + at + p * 4, 4);
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+          for (int j = 0; j < kBlocks; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w, x[j]);
+        }
+      }
+    }
+    for (int m = 0; m < kRows; ++m)
+      for (int j = 0; j < kBlocks; ++j) _mm512_storeu_ps(out + (m0 + m) * out_stride + j * kAmxRows, acc[m][j]);
+  }
+}
+
 // bf16: every tile 16 x 64 bytes. int8: C tiles 0 and 3 16 x 64 bytes (16 x 16 int32), A
 // tiles 1 and 4 16 x 32 (one Q8_0 block of 16 rows), B tiles 2 and 5 8 x 64 (one ActQ8
 // block of 16 tokens).
@@ -114,8 +154,8 @@ std::string differs(float got, double ref, double mag, int64_t r, int64_t j) {
 }
 
 // A 32-row x 64 product of 20 tokens (two row blocks, a partial second token block)
-// against doubles on the same bf16 inputs.
-std::string check_product() {
+// against doubles on the same bf16 inputs, on the tiles or in the vector form.
+std::string check_product(AmxTiles kind) {
   constexpr int64_t R = 32, K = 64, N = 20;
   std::vector<uint16_t> w(R * K);
   std::vector<float> x(N * K);
@@ -130,8 +170,8 @@ std::string check_product() {
   const int64_t blocks = (N + kAmxRows - 1) / kAmxRows, stride = blocks * kAmxRows;
   std::vector<float> out(R * stride);
   {
-    AmxScope scope;
-    amx_dots(WeightType::kBF16, w.data(), K * 2, R, packed.data(), blocks, K, out.data(), stride);
+    AmxScope scope(kind);
+    amx_dots(kind, WeightType::kBF16, w.data(), K * 2, R, packed.data(), blocks, K, out.data(), stride);
   }
   auto f = [](uint16_t bits) {
     const uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -169,7 +209,12 @@ std::string tile_permission(int feature, const char* name) {
 
 std::string check() {
   const std::string denied = tile_permission(22, "AMX-BF16");
-  return denied.empty() ? check_product() : denied;
+  return denied.empty() ? check_product(AmxTiles::kBf16) : denied;
+}
+
+std::string check_vector() {
+  if (!cpu_has_avx512_bf16()) return "the CPU reports no AVX512-BF16 (CPUID leaf 7, subleaf 1)";
+  return check_product(AmxTiles::kBf16Vector);
 }
 
 // amx_pack with AVX512-BF16 (every AMX CPU has it): each token's 32 values of a tile
@@ -219,10 +264,19 @@ const std::string& amx_bf16_status() {
   return status;
 }
 
-AmxScope::AmxScope(AmxTiles tiles) { load_config(tiles); }
-AmxScope::~AmxScope() { release_tiles(); }
+const std::string& bf16_vector_status() {
+  static const std::string status = check_vector();
+  return status;
+}
 
-void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
+AmxScope::AmxScope(AmxTiles tiles) : held_(tiles != AmxTiles::kBf16Vector) {
+  if (held_) load_config(tiles);
+}
+AmxScope::~AmxScope() {
+  if (held_) release_tiles();
+}
+
+void amx_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
               int64_t blocks, int64_t K, float* out, int64_t out_stride) {
   const int64_t tiles = K / kAmxK, block_bytes = tiles * kTileBytes, stride_bytes = out_stride * 4;
   const char* base = static_cast<const char*>(rows);
@@ -230,6 +284,7 @@ void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_row
   thread_local std::vector<char> scratch;
   scratch.resize(tiles * kATileBytes + 64);
   char* copy = scratch.data() + (-reinterpret_cast<intptr_t>(scratch.data()) & 63);
+  const bool vector = kind == AmxTiles::kBf16Vector;
   const bool copied = w != WeightType::kBF16 || blocks > kCopyAfterBlocks;
   for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxPass) {
     const int64_t nr = std::min<int64_t>(kAmxPass, num_rows - r0);
@@ -242,7 +297,10 @@ void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_row
     for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
       const char* b = b_base + b0 * block_bytes;
       float* o = out + r0 * out_stride + b0 * kAmxRows;
-      if (blocks - b0 >= 2) {
+      if (vector) {
+        if (blocks - b0 >= 2) vector_pass<true>(a, nr, b, block_bytes, K, o, out_stride);
+        else vector_pass<false>(a, nr, b, block_bytes, K, o, out_stride);
+      } else if (blocks - b0 >= 2) {
         if (nr == kAmxPass) tile_pass<true, true>(a, b, block_bytes, K, o, stride_bytes);
         else tile_pass<false, true>(a, b, block_bytes, K, o, stride_bytes);
       } else {
@@ -416,9 +474,13 @@ const std::string& amx_bf16_status() {
   static const std::string status = "AMX tiles need x86-64 Linux";
   return status;
 }
-AmxScope::AmxScope(AmxTiles) {}
+const std::string& bf16_vector_status() {
+  static const std::string status = "the vector form needs x86-64 Linux";
+  return status;
+}
+AmxScope::AmxScope(AmxTiles) : held_(false) {}
 AmxScope::~AmxScope() {}
-void amx_dots(WeightType, const void*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
+void amx_dots(AmxTiles, WeightType, const void*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
 const std::string& amx_int8_status() {
   static const std::string status = "AMX tiles need x86-64 Linux";
   return status;
@@ -481,13 +543,17 @@ void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed
 
 namespace ftjax {
 
-bool amx_tiles_for(WeightType w, AmxTiles* kind) {
-  if (w == WeightType::kQ8_0 && amx_int8_ok()) {
-    *kind = AmxTiles::kInt8;
-    return true;
+bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind) {
+  if (isa == Isa::kAmxBf16 && amx_bf16_ok()) {
+    if (w == WeightType::kQ8_0 && amx_int8_ok()) {
+      *kind = AmxTiles::kInt8;
+      return true;
+    }
+    *kind = AmxTiles::kBf16;
+    return dequant_bf16_fast(w);
   }
-  *kind = AmxTiles::kBf16;
-  return dequant_bf16_fast(w);
+  *kind = AmxTiles::kBf16Vector;
+  return isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok() && w != WeightType::kQ8_0 && dequant_bf16_fast(w);
 }
 
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K) {
@@ -504,7 +570,8 @@ void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_by
   if (kind == AmxTiles::kInt8)
     amx_q8_dots(static_cast<const uint8_t*>(rows), row_bytes, num_rows, packed, blocks, K, out, out_stride);
   else
-    amx_dots(w, rows, row_bytes, num_rows, reinterpret_cast<const uint32_t*>(packed), blocks, K, out, out_stride);
+    amx_dots(kind, w, rows, row_bytes, num_rows, reinterpret_cast<const uint32_t*>(packed), blocks, K, out,
+             out_stride);
 }
 
 }  // namespace ftjax

@@ -18,6 +18,12 @@
 //
 // Weights in a block format (Q4_K, Q6_K) are widened to bf16 pass by pass (dequant.h).
 //
+// Without AMX (Zen 4/5, Cooper Lake), the same layouts multiply on AVX512-BF16 vectors
+// (AmxTiles::kBf16Vector, Isa::kAvx512Bf16Tiles): B's row r of a token block is one zmm of
+// the 16 tokens' pair r, so C[m][:] += vdpbf16ps(that zmm, A row m's pair r broadcast) is
+// a tile product one weight row at a time, lanes = tokens (8 rows x 2 token blocks of
+// accumulators per step). Same packing, widening and callers; no tile state.
+//
 // Availability (`amx_bf16_status`, checked once per process): CPUID names AMX-TILE and
 // AMX-BF16, XCR0 has the tile state enabled, Linux grants this process tile data
 // (arch_prctl ARCH_REQ_XCOMP_PERM), and a small product equals a scalar reference on
@@ -42,6 +48,10 @@ constexpr int64_t kAmxMinTokens = 16;  // calls with fewer tokens (decode) keep 
 // call checks; later calls return the same answer).
 const std::string& amx_bf16_status();
 inline bool amx_bf16_ok() { return amx_bf16_status().empty(); }
+// "" when the vector form runs here (CPUID names AVX512-BF16, and the self-check product
+// equals the reference), else why not.
+const std::string& bf16_vector_status();
+inline bool bf16_vector_ok() { return bf16_vector_status().empty(); }
 
 // uint32 words of n tokens of K values packed: ceil(n / 16) token blocks of K / 32 tiles
 // of 16 x 16 words (K % 32 == 0).
@@ -55,22 +65,26 @@ void amx_pack_scalar(const float* const* vecs, int64_t n, int64_t K, uint32_t* p
 bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed);
 
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
-// TILERELEASE). Every amx_dots call runs inside a kBf16 scope, every amx_q8_dots call
-// inside a kInt8 one (their tiles have other shapes).
-enum class AmxTiles { kBf16, kInt8 };
+// TILERELEASE). Every amx_dots call on tiles runs inside a kBf16 scope, every amx_q8_dots
+// call inside a kInt8 one (their tiles have other shapes); a kBf16Vector scope does nothing.
+enum class AmxTiles { kBf16, kInt8, kBf16Vector };
 class AmxScope {
  public:
   explicit AmxScope(AmxTiles tiles = AmxTiles::kBf16);
   ~AmxScope();
   AmxScope(const AmxScope&) = delete;
   AmxScope& operator=(const AmxScope&) = delete;
+
+ private:
+  bool held_;
 };
 
 // out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
 // j < 16 * blocks: rows of weight type w, row_bytes apart: bf16 bits, or a format that
 // dequant_bf16_fast widens (each pass's 32 rows widened into the tile scratch first,
 // dequant.h); packed holds `blocks` token blocks of amx_pack over the same K (K % 32 == 0).
-void amx_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
+// On the tiles (kind kBf16) or on AVX512-BF16 vectors (kBf16Vector).
+void amx_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint32_t* packed,
               int64_t blocks, int64_t K, float* out, int64_t out_stride);
 
 // ---- AMX-INT8: Q8_0 weights against ActQ8 activations -------------------------------------
@@ -112,10 +126,12 @@ void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
 
 // ---- Either kind, by weight type (the expert FFN's and the dense layer's tile paths) -------
 
-// Whether weights of type w multiply on tiles here, and on which: Q8_0 on the int8 tiles
-// (where amx_int8_ok), bf16 and the formats dequant_bf16_fast widens on the bf16 tiles
-// (the caller has checked amx_bf16_ok: Isa::kAmxBf16 was granted).
-bool amx_tiles_for(WeightType w, AmxTiles* kind);
+// Whether weights of type w multiply on tiles under isa, and on which. kAmxBf16 (where
+// amx_bf16_ok): Q8_0 on the int8 tiles (where amx_int8_ok), bf16 and the formats
+// dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles (where bf16_vector_ok): bf16
+// and those formats in the vector form (Q8_0 keeps the exact path's VNNI sums). Other
+// ISAs: none.
+bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
 // Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, or amx_q8_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);
 // vecs[j] for j < n -> packed: floats for kBf16 (amx_pack), ActQ8 rows for kInt8 (amx_q8_pack).

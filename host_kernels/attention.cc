@@ -413,6 +413,9 @@ TaskFn select_task(Isa isa) {
   switch (isa) {
     case Isa::kAmxBf16:  // decode keeps the exact kernels (prompts: attention_takes_tiles)
       if (!amx_bf16_ok()) return nullptr;
+      return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
+    case Isa::kAvx512Bf16Tiles:  // the same (prompts: the tiles' vector form)
+      if (!bf16_vector_ok()) return nullptr;
       [[fallthrough]];
     case Isa::kAuto: return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
     case Isa::kAvx512: return avx512 ? &task_avx512 : nullptr;
@@ -437,7 +440,7 @@ std::string attention(const AttentionArgs& a, ThreadPool* threads, Isa isa) {
     if (a.kv_len[b] < 0 || a.kv_len[b] > a.S) return "kv_len must be in 0..S";
     max_len = std::max<int64_t>(max_len, a.kv_len[b]);
   }
-  if (attention_takes_tiles(isa, a.T, a.hd)) return attention_tiles(a, threads);
+  if (attention_takes_tiles(isa, a.T, a.hd)) return attention_tiles(a, threads, isa);
   const int64_t r = a.H / a.G, Q = r * a.T, hd = a.hd;
   const int64_t chunks = std::max<int64_t>(1, ceil_div(max_len, kChunk));
   const int64_t tasks = a.B * a.G * chunks;

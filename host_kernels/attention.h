@@ -35,16 +35,16 @@ struct AttentionArgs {
 };
 
 // Returns "" on success, else what is wrong with the arguments. Under Isa::kAmxBf16 a
-// prompt chunk (attention_takes_tiles) runs on the AMX tiles (attention_tiles.cc), every
-// other call on the exact kernels.
+// prompt chunk (attention_takes_tiles) runs on the AMX tiles (attention_tiles.cc), under
+// Isa::kAvx512Bf16Tiles in their vector form; every other call on the exact kernels.
 std::string attention(const AttentionArgs& a, ThreadPool* threads, Isa isa);
 
-// Whether attention of T query tokens per row, head dim hd, runs on the AMX-BF16 tiles
-// under isa: kAmxBf16 granted, T >= kAmxMinTokens (a prompt, not decode), hd % 32 == 0
-// and hd <= 256.
+// Whether attention of T query tokens per row, head dim hd, runs on the bf16 tiles under
+// isa: kAmxBf16 or kAvx512Bf16Tiles granted, T >= kAmxMinTokens (a prompt, not decode),
+// hd % 32 == 0 and hd <= 256.
 bool attention_takes_tiles(Isa isa, int64_t T, int64_t hd);
 // The tile path (queries, keys, values and softmax weights rounded to bf16); arguments
 // already checked by `attention`.
-std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads);
+std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads, Isa isa);
 
 }  // namespace ftjax

@@ -1,5 +1,7 @@
 // Prompt attention on AMX-BF16 tiles: flash attention with keys and values as the tiles'
 // A side and queries as their B side, so that every softmax step is a vertical vector op.
+// Without AMX (Isa::kAvx512Bf16Tiles) the same layouts multiply with vdpbf16ps, as amx.h's
+// vector form does (vector_scores, vector_values).
 //
 // A prompt chunk of T queries meets its keys in blocks: per task (row b, KV head g, tile
 // of 16 query columns), per block of 64 keys,
@@ -54,8 +56,8 @@ constexpr int64_t kMaxHeadDim = 256;
 }  // namespace
 
 bool attention_takes_tiles(Isa isa, int64_t num_queries, int64_t hd) {
-  return isa == Isa::kAmxBf16 && num_queries >= kAmxMinTokens && hd % kAmxK == 0 && hd <= kMaxHeadDim &&
-         amx_bf16_ok();
+  const bool engine = (isa == Isa::kAmxBf16 && amx_bf16_ok()) || (isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok());
+  return engine && num_queries >= kAmxMinTokens && hd % kAmxK == 0 && hd <= kMaxHeadDim;
 }
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -203,7 +205,55 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) __m512 softmax_block(floa
     _tile_dpbf16ps(c, 3, 2);                    \
   } while (0)
 
-// Task: the query columns [c0, c0 + 16) of (b, g) (column = t * r + head-in-group).
+// The two products in the vector form (AVX512-BF16, no AMX): the tiles' B rows are zmm
+// of 16 query columns (a pair of dimensions or keys each), the A side's pair broadcast,
+// one vdpbf16ps per (row, pair).
+//
+// scores^T of a block: for 16 keys at a time, over the hd / 2 dimension pairs.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void vector_scores(const uint16_t* keys, int64_t hd,
+                                                                            const uint32_t* q_pairs, float* scores) {
+  const int64_t pairs = hd / 2;
+  for (int64_t i0 = 0; i0 < kKeyBlock; i0 += kAmxRows) {
+    __m512 acc[kAmxRows];
+    for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
+    const uint16_t* k = keys + i0 * hd;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh q = (__m512bh)_mm512_load_si512(q_pairs + p * kQueries);
+      for (int i = 0; i < kAmxRows; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, k + i * hd + 2 * p, 4);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pair), q);
+      }
+    }
+    for (int i = 0; i < kAmxRows; ++i) _mm512_store_ps(scores + (i0 + i) * kQueries, acc[i]);
+  }
+}
+
+// acc (out^T [hd][16]) = acc * scale + V^T . P^T of a block: 16 dimensions at a time, over
+// the block's 32 key pairs (v_tiles' layout: [hd / 16][2 halves][16 dims][32 keys]).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void vector_values(const uint16_t* v, int64_t hd,
+                                                                            const uint32_t* p_pairs, __m512 scale,
+                                                                            float* acc) {
+  for (int64_t g0 = 0; g0 < hd / kAmxRows; ++g0) {
+    float* rows = acc + g0 * kAmxRows * kQueries;
+    __m512 o[kAmxRows];
+    for (int d = 0; d < kAmxRows; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(rows + d * kQueries), scale);
+    for (int64_t p = 0; p < kKeyBlock / 2; ++p) {
+      const __m512bh w = (__m512bh)_mm512_load_si512(p_pairs + p * kQueries);
+      const uint16_t* vp = v + (g0 * 2 + p / kAmxRows) * kVTile + 2 * (p % kAmxRows);
+      for (int d = 0; d < kAmxRows; ++d) {
+        int32_t pair;
+        std::memcpy(&pair, vp + d * kAmxK, 4);
+        o[d] = _mm512_dpbf16_ps(o[d], (__m512bh)_mm512_set1_epi32(pair), w);
+      }
+    }
+    for (int d = 0; d < kAmxRows; ++d) _mm512_store_ps(rows + d * kQueries, o[d]);
+  }
+}
+
+// Task: the query columns [c0, c0 + 16) of (b, g) (column = t * r + head-in-group), on the
+// tiles or (kVector) in their vector form.
+template <bool kVector>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void query_tile(
     const AttentionArgs& a, int64_t b, int64_t g, int64_t c0, const PackedKV& kv) {
   const int64_t r = a.H / a.G, Q = r * a.T, hd = a.hd, n = std::min(kQueries, Q - c0);
@@ -245,9 +295,16 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void qu
     amx_pack(vecs, n, hd, q_tiles);
     const int64_t steps = hd / kAmxK, groups = hd / kAmxRows;
     const int64_t first = cols.min_lo / kKeyBlock, last = cols.max_hi / kKeyBlock + 1;
-    AmxScope tiles;
+    AmxScope tiles(kVector ? AmxTiles::kBf16Vector : AmxTiles::kBf16);
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t k0 = blk * kKeyBlock;
+      if constexpr (kVector) {
+        vector_scores(kv.key_rows(blk, hd), hd, q_tiles, scores);
+        const bool masked = cols.blind || k0 < cols.max_lo || k0 + kKeyBlock - 1 > cols.min_hi;
+        const __m512 scale = softmax_block(scores, k0, cols, masked, m, l, p_tile);
+        vector_values(kv.v_tiles.data() + (blk - kv.first) * groups * 2 * kVTile, hd, p_tile, scale, acc);
+        continue;
+      }
       // scores^T: tiles 4-7 (keys k0 + 16x, x = 0..3); A in tiles 0, 2, 3, B (queries) in tile 1
       const uint16_t* keys = kv.key_rows(blk, hd);
       const int64_t stride = hd * 2;
@@ -310,7 +367,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void qu
 
 }  // namespace
 
-std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads) {
+std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads, Isa isa) {
+  const bool vector = isa == Isa::kAvx512Bf16Tiles;
   const int64_t r = a.H / a.G, Q = r * a.T, tiles = ceil_div(Q, kQueries), BG = a.B * a.G;
   // the key blocks any query of row b can see
   std::vector<int64_t> first(a.B), last(a.B);
@@ -328,12 +386,13 @@ std::string attention_tiles(const AttentionArgs& a, ThreadPool* threads) {
   // most expensive first: the last query tiles of every (b, g), then the ones before
   parallel_for(threads, BG * tiles, [&](int64_t i) {
     const int64_t tile = tiles - 1 - i / BG, bg = i % BG;
-    query_tile(a, bg / a.G, bg % a.G, tile * kQueries, kv[bg]);
+    if (vector) query_tile<true>(a, bg / a.G, bg % a.G, tile * kQueries, kv[bg]);
+    else query_tile<false>(a, bg / a.G, bg % a.G, tile * kQueries, kv[bg]);
   });
   return "";
 }
 #else
-std::string attention_tiles(const AttentionArgs&, ThreadPool*) { return "AMX tiles need an x86-64 Linux build"; }
+std::string attention_tiles(const AttentionArgs&, ThreadPool*, Isa) { return "AMX tiles need an x86-64 Linux build"; }
 #endif
 
 }  // namespace ftjax

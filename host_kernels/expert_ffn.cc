@@ -302,7 +302,7 @@ void expert_ffn_amx(const Kernels& kernels, Call& call, PartTiles tiles, ThreadP
 bool expert_ffn_takes_tiles(Isa isa, WeightType wtype, WeightType down_wtype, int64_t d_model, int64_t d_ff,
                             int64_t num_tokens) {
   AmxTiles kind;
-  return isa == Isa::kAmxBf16 && amx_tiles_for(wtype, &kind) && amx_tiles_for(down_wtype, &kind) &&
+  return amx_tiles_for(isa, wtype, &kind) && amx_tiles_for(isa, down_wtype, &kind) &&
          d_model % kAmxPass == 0 && d_ff % kAmxPass == 0 && num_tokens >= kAmxMinTokens;
 }
 
@@ -328,8 +328,8 @@ std::string expert_ffn(const PoolView& pool, int64_t layer, const TokenBatch& ba
     Call call{pool, batch, routing, kernels->dots(pool.wtype), kernels->dots(pool.down_wtype), 0, layer,
               batch.x, h, h.data()};
     PartTiles tiles;
-    amx_tiles_for(pool.wtype, &tiles.gate_up);
-    amx_tiles_for(pool.down_wtype, &tiles.down);
+    amx_tiles_for(isa, pool.wtype, &tiles.gate_up);
+    amx_tiles_for(isa, pool.down_wtype, &tiles.down);
     expert_ffn_amx(*kernels, call, tiles, threads, num_threads);
     return "";
   }

@@ -209,8 +209,18 @@ void quantise_act_q8k(const float* x, int64_t n, ActQ8K* out, bool simd);
 // asked for): bf16 rows meet bf16-rounded activations in vdpbf16ps (kernels_avx512_bf16.cc).
 // kAmxBf16 (only when asked for, and where amx_bf16_ok()): kAuto's kernels, except that an
 // expert FFN call of bf16 experts with >= kAmxMinTokens tokens (prefill) multiplies on
-// AMX tiles with bf16-rounded activations (amx.h).
-enum class Isa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmxBf16 = 5 };
+// AMX tiles with bf16-rounded activations (amx.h). kAvx512Bf16Tiles (only when asked for,
+// and where bf16_vector_ok()): the same, the tiles' layouts multiplied with vdpbf16ps on a
+// CPU without AMX (amx.h's vector form).
+enum class Isa : int32_t {
+  kAuto = 0,
+  kScalar = 1,
+  kAvx2 = 2,
+  kAvx512 = 3,
+  kAvx512Bf16 = 4,
+  kAmxBf16 = 5,
+  kAvx512Bf16Tiles = 6
+};
 
 // Software prefetch distance of the SIMD kernels. Hardware prefetchers stop at 4 KiB
 // page boundaries, and a weight row (D or F elements) is about a page: with 1 KiB

@@ -96,7 +96,7 @@ void linear_amx(const Kernels& kernels, const DenseView& w, AmxTiles kind, const
 
 bool linear_takes_tiles(Isa isa, WeightType wtype, int64_t rows, int64_t cols, int64_t num_tokens) {
   AmxTiles kind;
-  return isa == Isa::kAmxBf16 && amx_tiles_for(wtype, &kind) && rows % kAmxRows == 0 && cols % kAmxK == 0 &&
+  return amx_tiles_for(isa, wtype, &kind) && rows % kAmxRows == 0 && cols % kAmxK == 0 &&
          num_tokens >= kAmxMinTokens;
 }
 
@@ -110,7 +110,7 @@ std::string linear(const DenseView& w, const float* x, int64_t num_tokens, float
   if (num_tokens == 0 || w.rows == 0) return "";
   if (linear_takes_tiles(isa, w.wtype, w.rows, w.cols, num_tokens)) {
     AmxTiles kind;
-    amx_tiles_for(w.wtype, &kind);
+    amx_tiles_for(isa, w.wtype, &kind);
     linear_amx(*kernels, w, kind, x, num_tokens, y, threads);
     return "";
   }

@@ -389,6 +389,7 @@ NB_MODULE(_host_kernels, m) {
   m.attr("ISA_AVX512") = (int)Isa::kAvx512;
   m.attr("ISA_AVX512_BF16") = (int)Isa::kAvx512Bf16;
   m.attr("ISA_AMX_BF16") = (int)Isa::kAmxBf16;
+  m.attr("ISA_AVX512_BF16_TILES") = (int)Isa::kAvx512Bf16Tiles;
   m.attr("AMX_MIN_TOKENS") = kAmxMinTokens;
   m.def("expert_ffn_takes_tiles", [](int isa, int wtype, int down_wtype, int64_t d_model, int64_t d_ff,
                                      int64_t num_tokens) {
@@ -405,11 +406,16 @@ NB_MODULE(_host_kernels, m) {
   m.def("dequant_bf16", &py_dequant_bf16, "w"_a, "wtype"_a, "out"_a.noconvert(), "simd"_a,
         "Rows of a block format (uint8 [N, row bytes]; bf16 bits: uint16 viewed as bytes) -> bf16 bits out "
         "[N, K], as the AMX tiles widen them (simd) or by the scalar reference; returns whether simd ran.");
-  m.def("amx_tile_kind", [](int wtype) {
+  m.def("amx_tile_kind", [](int isa, int wtype) {
           AmxTiles kind;
-          return amx_tiles_for(static_cast<WeightType>(wtype), &kind) ? (kind == AmxTiles::kInt8 ? "int8" : "bf16")
-                                                                        : "";
-        }, "The AMX tiles a weight type multiplies on under AMX_BF16 ('bf16', 'int8', '' for none): amx_tiles_for.");
+          return amx_tiles_for(static_cast<Isa>(isa), static_cast<WeightType>(wtype), &kind)
+                     ? (kind == AmxTiles::kInt8 ? "int8" : "bf16")
+                     : "";
+        }, "isa"_a, "wtype"_a,
+        "The tiles a weight type multiplies on under isa ('bf16': AMX-BF16 or their vector form, 'int8', '' for "
+        "none): amx_tiles_for.");
+  m.def("bf16_vector_status", [] { return bf16_vector_status(); },
+        "'' when the bf16 tiles' vector form (AVX512-BF16) runs here and passed the self-check, else why not");
   m.def("dequant_bf16_fast", [](int wtype) { return dequant_bf16_fast(static_cast<WeightType>(wtype)); },
         "Whether the AMX tiles widen this weight type to bf16 with vector code here.");
   m.attr("DTYPE_F32") = (int)WeightType::kF32;

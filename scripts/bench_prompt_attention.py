@@ -4,15 +4,16 @@ For each head geometry (the default model's, Qwen3-30B-A3B's, OLMoE-1B-7B's), ch
 T query tokens and keys before it (a prompt's first chunk: from position 0; a chunk
 appended to a long history: the last T of --context keys), bf16 K/V cache [1, G, S, hd],
 the same call timed three ways:
-    tiles   ftjax.host.attention under AMX_BF16 (host_kernels/attention_tiles.cc: what
-            numerics="fast" runs on an AMX CPU; q, k, v and the softmax weights in bf16),
-            at each --threads
+    tiles   ftjax.host.attention under the tile ISA numerics="fast" runs here
+            (host_kernels/attention_tiles.cc: AMX_BF16 on an AMX CPU, else the vector form
+            AVX512_BF16_TILES; q, k, v and the softmax weights in bf16; `tiles_isa`), at
+            each --threads
     exact   the same entry under AUTO (the exact f32 kernel decode uses), at each --threads
     xla     ftjax.models.layers.blocked_attention, jitted (f32; what a prompt ran before,
-            and what it runs without AMX or under numerics="exact"), on XLA's own pool:
+            and what it runs without either or under numerics="exact"), on XLA's own pool:
             every core the process may run on (`xla_threads`)
 Median of --rounds after a warm-up; one JSON line per (geometry, chunk), times in ms
-(tiles: CANNOT TEST where the CPU has no AMX-BF16 tiles).
+(tiles: CANNOT TEST where the CPU has neither AMX-BF16 tiles nor AVX512-BF16).
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_prompt_attention.py [--threads 1 2] [--context 16384]
 """
@@ -56,7 +57,9 @@ def main(argv=None) -> int:
     from ftjax.models.layers import blocked_attention
 
     xla = jax.jit(blocked_attention)
-    tiles_status = host.amx_bf16_status()
+    tile_isa = host.expert_isa("fast")
+    tiles_status = "" if tile_isa in host.tile_isas() else \
+        f"CANNOT TEST: no AMX-BF16 tiles ({host.amx_bf16_status()}), no vector form ({host.bf16_vector_status()})"
     rng = np.random.default_rng(0)
     for name in a.geometries:
         H, G, hd = GEOMETRIES[name]
@@ -75,10 +78,10 @@ def main(argv=None) -> int:
                                      a.rounds)
 
                 xla_ms = median_ms(lambda: xla(on_device[0], kj, vj, *on_device[1:]).block_until_ready(), a.rounds)
-                tiles = {str(n): host_ms(host.Isa.AMX_BF16, n) for n in a.threads} if tiles_status == "" else \
-                    f"CANNOT TEST: {tiles_status}"
+                tiles = {str(n): host_ms(tile_isa, n) for n in a.threads} if tiles_status == "" else tiles_status
                 line = {"bench": "prompt_attention", "geometry": name, "heads": H, "kv_heads": G, "head_dim": hd,
                         "tokens": T, "chunk": where, "keys": S, "kv_dtype": "bfloat16", "tiles_ms": tiles,
+                        "tiles_isa": tile_isa.name.lower(),
                         "exact_ms": {str(n): host_ms(host.Isa.AUTO, n) for n in a.threads}, "xla_ms": xla_ms,
                         "xla_threads": len(os.sched_getaffinity(0)), "rounds": a.rounds,
                         **commit_info(), **machine_info(), **run_fields()}

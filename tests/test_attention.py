@@ -255,10 +255,16 @@ def test_host_write_rows(dtype):
         jax.jit(host.write_rows)(cache[:, :, :3], rows, start)
 
 
-# ---- prompt attention on the AMX-BF16 tiles (host_kernels/attention_tiles.cc) --------------
+# ---- prompt attention on the bf16 tiles (host_kernels/attention_tiles.cc): AMX, or their
+# vector form on AVX512-BF16 -----------------------------------------------------------------
 
 TILE_STATUS = ftjax.host.amx_bf16_status()
-needs_amx = pytest.mark.skipif(TILE_STATUS != "", reason=f"no AMX-BF16 tiles here: {TILE_STATUS}")
+VECTOR_STATUS = ftjax.host.bf16_vector_status()
+TILE_ISAS = [
+    pytest.param(ftjax.host.Isa.AMX_BF16, id="amx",
+                 marks=pytest.mark.skipif(TILE_STATUS != "", reason=f"no AMX-BF16 tiles here: {TILE_STATUS}")),
+    pytest.param(ftjax.host.Isa.AVX512_BF16_TILES, id="vector", marks=pytest.mark.skipif(
+        VECTOR_STATUS != "", reason=f"no AVX512-BF16 vector form here: {VECTOR_STATUS}"))]
 
 TILE_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
     (1, 16, 4, 2, 64, 64, [16], 0),  # the fewest tokens the tiles take
@@ -284,21 +290,21 @@ def rounded_reference(q, k, v, positions, kv_len, window):
     return host.reference_attention(qs, widen(k), widen(v), positions, kv_len, window)
 
 
-@needs_amx
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("B,T,H,G,hd,S,kv_len,window", TILE_CASES)
-def test_prompt_attention_on_the_tiles_matches_the_rounded_reference(B, T, H, G, hd, S, kv_len, window):
-    """Under AMX_BF16 a prompt chunk's attention runs on the tiles (f32 and bf16 caches,
+def test_prompt_attention_on_the_tiles_matches_the_rounded_reference(isa, B, T, H, G, hd, S, kv_len, window):
+    """Under a tile ISA a prompt chunk's attention runs on the tiles (f32 and bf16 caches,
     numpy entry and the FFI path inside jit): within the bf16 rounding of the softmax
     weights of the reference on bf16-rounded q, k, v; zeros where no key is visible; the
     same bits at any thread count."""
     from ftjax import host
     from ftjax.experts.storage import to_bf16_bits
 
-    assert host.attention_takes_tiles(host.Isa.AMX_BF16, T, hd)
+    assert host.attention_takes_tiles(isa, T, hd)
     q, k, v, positions, kv_len = random_attention_inputs(np.random.default_rng(5), B, T, H, G, hd, S, kv_len)
     for kk, vv, dtype in ((k, v, jnp.float32), (to_bf16_bits(k), to_bf16_bits(v), jnp.bfloat16)):
         ref = rounded_reference(q, kk, vv, positions, kv_len, window)
-        runs = [host.attention_numpy(q, kk, vv, positions, kv_len, window, threads=n, isa=host.Isa.AMX_BF16)
+        runs = [host.attention_numpy(q, kk, vv, positions, kv_len, window, threads=n, isa=isa)
                 for n in (1, 3)]
         np.testing.assert_array_equal(runs[0], runs[1])
         np.testing.assert_allclose(runs[0], ref, atol=6e-3, rtol=0)  # measured: up to 3.4e-3
@@ -307,34 +313,36 @@ def test_prompt_attention_on_the_tiles_matches_the_rounded_reference(B, T, H, G,
         if (kv_len == 0).any():
             assert not runs[0][kv_len == 0].any()
         dev = lambda a: jnp.asarray(a.view(jnp.bfloat16) if a.dtype == np.uint16 else a, dtype)  # noqa: E731
-        with host.dense_settings(3, host.Isa.AMX_BF16):
+        with host.dense_settings(3, isa):
             out = jax.jit(lambda *a: host.attention(*a, window=window))(q, dev(kk), dev(vv), positions, kv_len)
         np.testing.assert_array_equal(np.asarray(out), runs[0])
 
 
-@needs_amx
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("T,hd", [(15, 64), (1, 64), (32, 48), (32, 320)])
-def test_calls_the_attention_tiles_do_not_take_keep_the_exact_kernels(T, hd):
+def test_calls_the_attention_tiles_do_not_take_keep_the_exact_kernels(isa, T, hd):
     """Decode-sized calls (< 16 tokens) and head dims the tiles do not hold (not a multiple
-    of 32, wider than 256) run the exact kernels under AMX_BF16, to the bit."""
+    of 32, wider than 256) run the exact kernels under a tile ISA, to the bit."""
     from ftjax import host
 
-    assert not host.attention_takes_tiles(host.Isa.AMX_BF16, T, hd)
+    assert not host.attention_takes_tiles(isa, T, hd)
     assert not host.attention_takes_tiles(host.Isa.AUTO, 64, 64)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((1, T, 4, hd)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 40, hd)).astype(np.float32) for _ in range(2))
     positions, kv_len = (np.arange(T, dtype=np.int32) + 40 - T)[None], np.array([40], np.int32)
-    np.testing.assert_array_equal(host.attention_numpy(q, k, v, positions, kv_len, isa=host.Isa.AMX_BF16),
+    np.testing.assert_array_equal(host.attention_numpy(q, k, v, positions, kv_len, isa=isa),
                                   host.attention_numpy(q, k, v, positions, kv_len, isa=host.Isa.AUTO))
 
 
-def test_the_attention_tile_rule_refuses_without_amx_tiles():
+def test_the_attention_tile_rule_refuses_without_the_tiles():
     """Where the CPU has no AMX-BF16 tiles (or they failed their self-check) no call takes
-    them, so every prompt keeps the XLA attention."""
+    them, nor their vector form without AVX512-BF16, so every prompt keeps the XLA
+    attention; no other ISA takes either."""
     from ftjax import host
 
     assert host.attention_takes_tiles(host.Isa.AMX_BF16, 64, 64) == (TILE_STATUS == "")
+    assert host.attention_takes_tiles(host.Isa.AVX512_BF16_TILES, 64, 64) == (VECTOR_STATUS == "")
     for isa in host.Isa:
-        if isa is not host.Isa.AMX_BF16:
+        if isa not in host.tile_isas():
             assert not host.attention_takes_tiles(isa, 64, 64)

@@ -15,9 +15,9 @@ from ftjax import host
 from ftjax.experts.pool import HostExpertPool, to_bf16_bits
 from ftjax.host import Boundary, HostExecutor, Isa, available_isas, read_bandwidth_gbps, reference_expert_ffn
 
-# scalar always; AVX2 / AVX-512 where the CPU has them (AMX_BF16, AUTO's kernels but for
-# bf16 prefill: tests/test_amx.py)
-ISAS = [i for i in available_isas() if i is not Isa.AMX_BF16]
+# scalar always; AVX2 / AVX-512 where the CPU has them (the tile ISAs, AUTO's kernels but
+# for prefill: tests/test_amx.py)
+ISAS = [i for i in available_isas() if i not in host.tile_isas()]
 
 
 def make_pool(rng, num_layers, num_experts, d_model, d_ff, dtype):

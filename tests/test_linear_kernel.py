@@ -13,7 +13,7 @@ from ftjax.experts.storage import FORMATS
 from ftjax.host import Boundary, Isa, available_isas, linear_numpy, reference_linear
 from ftjax.models.common import linear as model_linear
 
-ISAS = [i for i in available_isas() if i is not Isa.AMX_BF16]  # AMX_BF16: the tile tests below
+ISAS = [i for i in available_isas() if i not in host.tile_isas()]  # the tile ISAs: the tile tests below
 
 
 def make(rng, n_out, n_in, tokens, dtype):
@@ -132,10 +132,14 @@ def test_dense_settings_cap_the_pool_and_choose_the_isa():
     assert f"isa = {host.resolve_isa(Isa.AUTO).value} : i32" in plain
 
 
-# ---- AMX tiles (a prompt's tokens under AMX_BF16: linear.cc `linear_amx`) ----------------------
+# ---- bf16 tiles (a prompt's tokens under AMX_BF16 or its vector form: linear.cc `linear_amx`) ----
 
 AMX = host.amx_bf16_status()
 needs_amx = pytest.mark.skipif(AMX != "", reason=f"no AMX-BF16 tiles here: {AMX}")
+VECTOR = host.bf16_vector_status()
+TILE_ISAS = [pytest.param(Isa.AMX_BF16, marks=needs_amx, id="amx"),
+             pytest.param(Isa.AVX512_BF16_TILES, id="vector",
+                          marks=pytest.mark.skipif(VECTOR != "", reason=f"no AVX512-BF16 vector form here: {VECTOR}"))]
 
 
 def stored(w32: np.ndarray, wtype: str) -> tuple[np.ndarray, str | None]:
@@ -146,7 +150,7 @@ def stored(w32: np.ndarray, wtype: str) -> tuple[np.ndarray, str | None]:
     return FORMATS[wtype].from_f32_numpy(w32), wtype
 
 
-@needs_amx
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("wtype", ["bfloat16", pytest.param("q8_0", marks=pytest.mark.skipif(
     host.amx_int8_status() != "", reason=f"no AMX-INT8 tiles here: {host.amx_int8_status()}")),
                                    "q4_k", "q6_k", "q4_k_or_q6_k"])
@@ -156,28 +160,32 @@ def stored(w32: np.ndarray, wtype: str) -> tuple[np.ndarray, str | None]:
     (64, 512, 40),   # a partial token block
     (96, 256, 600),  # three token chunks (256 tokens each), the last partial
 ])
-def test_tiles_match_the_rounding_reference(wtype, threads, n_out, n_in, tokens):
-    """On the bf16 tiles the activations are rounded to bf16 and block weights widened to
-    bf16, as the reference does; Q8_0 on the int8 tiles keeps the exact path's int8 sums."""
-    kind = host.tile_kind(wtype)  # where AMX-BF16 runs, so does the AVX512-BF16 widening
+def test_tiles_match_the_rounding_reference(isa, wtype, threads, n_out, n_in, tokens):
+    """On the bf16 tiles (AMX or their vector form) the activations are rounded to bf16
+    and block weights widened to bf16, as the reference does; Q8_0 on the int8 tiles keeps
+    the exact path's int8 sums (the vector form leaves Q8_0 to the exact kernels)."""
+    kind = host.tile_kind(wtype, isa)  # where the bf16 tiles run, so does the AVX512-BF16 widening
+    if isa is Isa.AVX512_BF16_TILES and wtype == "q8_0":
+        assert kind is None and not host.linear_takes_tiles(isa, tokens, n_out, n_in, wtype)
+        return
     rng = np.random.default_rng(n_out + n_in + tokens)
     x, w32 = make(rng, n_out, n_in, tokens, "float32")
     w, name = stored(w32, wtype)
-    assert host.linear_takes_tiles(Isa.AMX_BF16, tokens, n_out, n_in, wtype)
-    y = linear_numpy(x, w, threads=threads, isa=Isa.AMX_BF16, wtype=name)
-    ref = reference_linear(x, w, name, isa=Isa.AMX_BF16)
+    assert host.linear_takes_tiles(isa, tokens, n_out, n_in, wtype)
+    y = linear_numpy(x, w, threads=threads, isa=isa, wtype=name)
+    ref = reference_linear(x, w, name, isa=isa)
     assert_close(y, ref)
     exact = reference_linear(x, w, name)
     if kind == "bf16":  # the rounding is the tiles'
         assert np.abs(y - exact).max() > 10 * np.abs(y - ref).max()
     else:
         assert_close(y, exact)
-    assert np.array_equal(y, linear_numpy(x, w, threads=2, isa=Isa.AMX_BF16, wtype=name))  # threads change no bit
+    assert np.array_equal(y, linear_numpy(x, w, threads=2, isa=isa, wtype=name))  # threads change no bit
 
 
-@needs_amx
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("case", ["decode", "rows not whole tiles", "q4_0"])
-def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
+def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(isa, case):
     """Fewer than 16 tokens, N not a multiple of 16 and formats without tiles (Q4_0) run the
     exact kernels under AMX_BF16: AUTO's numbers, to the bit."""
     n_out, n_in, tokens, wtype = {"decode": (64, 256, 1, "q4_k"), "rows not whole tiles": (40, 256, 32, "bfloat16"),
@@ -185,6 +193,6 @@ def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
     rng = np.random.default_rng(3)
     x, w32 = make(rng, n_out, n_in, tokens, "float32")
     w, name = stored(w32, wtype)
-    assert not host.linear_takes_tiles(Isa.AMX_BF16, tokens, n_out, n_in, wtype)
-    np.testing.assert_array_equal(linear_numpy(x, w, threads=2, isa=Isa.AMX_BF16, wtype=name),
+    assert not host.linear_takes_tiles(isa, tokens, n_out, n_in, wtype)
+    np.testing.assert_array_equal(linear_numpy(x, w, threads=2, isa=isa, wtype=name),
                                   linear_numpy(x, w, threads=2, isa=Isa.AUTO, wtype=name))
