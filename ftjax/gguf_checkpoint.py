@@ -68,7 +68,11 @@ Design
   norms, router, ...) of any type `gguf.quants.dequantize` knows become float32 params
   ([in, out] where the folder loader transposes); when every one of those matrices is
   BF16 and dense_dtype allows (default for such files), they stay bf16 bits in the HF
-  layout (packed), as for bf16 folders. dense_dtype="float32" dequantises every matrix.
+  layout (packed), as for bf16 folders. An F32 matrix whose every value is a bf16 counts
+  as BF16 (llama.cpp's converter writes a bf16 checkpoint's MoE router, ffn_gate_inp, as
+  F32: widened, so its high halves are the bf16 bits, losslessly); one with any other
+  value keeps the whole model in float32, as before. dense_dtype="float32" dequantises
+  every matrix.
 - Tokenizer: `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is rebuilt as a
   `tokenizers.Tokenizer` from tokens / merges / token_type (CONTROL -> special added
   token, USER_DEFINED -> added token) with the pre-tokenizer of `tokenizer.ggml.pre`
@@ -398,7 +402,7 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     kept = {p for p, (t, target) in param_refs.items()  # dense matrices kept in their block type
             if dense_dtype != "float32" and t.tensor_type.name in DENSE_KEPT and quantisable(p, target)}
     matrices = [t for p, (t, target) in param_refs.items() if packs(target) and p not in kept]
-    bf16_file = all(t.tensor_type == QType.BF16 for t in matrices)
+    bf16_file = all(t.tensor_type == QType.BF16 or widened_bf16(t) for t in matrices)
     packed = bf16_file and (dense_dtype or "bfloat16") == "bfloat16"
     stored = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
     ckpt_dtype = "bfloat16" if stored == {"BF16"} else ("float16" if "F16" in stored else "float32")
@@ -418,8 +422,8 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
         want = expected_shape(shapes, p, target)
         if p in kept:  # block rows [out, row bytes] as stored: a copy, not the file
             params[p] = QuantMatrix(np.array(t.data).reshape(want[0], -1), DENSE_KEPT[t.tensor_type.name])
-        elif packed and packs(target):
-            params[p] = np.array(t.data.view(np.uint16)).reshape(want)  # bf16 bits [out, in]: a copy
+        elif packed and packs(target):  # bf16 bits [out, in]: a copy
+            params[p] = bf16_bits(t).reshape(want)
         else:
             arr = dense_f32(t, path).reshape(want)
             params[p] = np.ascontiguousarray(arr.T if target[2] else arr)
@@ -427,6 +431,18 @@ def load_gguf(path: str | Path, expert_dtype: str | None = None, dense_dtype: st
     return GGUFCheckpoint(cfg, params, pool, ckpt_dtype, path, "bfloat16" if packed else "float32",
                           dense_formats(params), mask, tokenizer=tokenizer,
                           header_bytes=int(reader.data_offset))
+
+
+def widened_bf16(t) -> bool:
+    """Whether tensor t is F32 holding bf16 values only (every low half zero)."""
+    return t.tensor_type == QType.F32 and not (np.asarray(t.data).view(np.uint32) & 0xFFFF).any()
+
+
+def bf16_bits(t) -> np.ndarray:
+    """A BF16 tensor's bits, or a `widened_bf16` F32 tensor's high halves, as a uint16 copy."""
+    if t.tensor_type == QType.F32:
+        return (np.asarray(t.data).view(np.uint32) >> 16).astype(np.uint16)
+    return np.array(t.data.view(np.uint16))
 
 
 def packs(target: tuple) -> bool:

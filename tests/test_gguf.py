@@ -245,6 +245,29 @@ def test_bf16_file_stays_bf16(tmp_path):
     assert rel_err(unpacked.logits(PROMPT), ftjax.load(folder, numerics="exact").logits(PROMPT)) <= 1e-5
 
 
+def test_a_bf16_file_with_an_f32_router_stays_packed(tmp_path):
+    """llama.cpp's converter writes a bf16 checkpoint's MoE router (ffn_gate_inp) as F32: its
+    values are all bf16, so the file packs as if it were BF16 (half the dense bytes a
+    decode step reads) and gives the all-BF16 file's logits to the bit. A router with a
+    value bf16 cannot hold keeps the whole model in float32, as before."""
+    folder = hf_models.save(hf_models.build("qwen3_moe", seed=9), tmp_path / "hf", dtype=torch.bfloat16)
+    path = write_gguf(folder, tmp_path / "bf16.gguf", "BF16")
+    routers = [t.name for t in gguf.GGUFReader(path).tensors if "ffn_gate_inp" in t.name]
+    assert routers
+    widened = rewrite(path, tmp_path / "f32-router.gguf", retype={n: "F32" for n in routers})
+    assert {t.tensor_type.name for t in gguf.GGUFReader(widened).tensors if t.name in routers} == {"F32"}
+    model, ref = ftjax.load(widened), ftjax.load(path)
+    assert model.checkpoint.packed and model.checkpoint.dense_dtype == "bfloat16"
+    np.testing.assert_array_equal(model.logits(PROMPT), ref.logits(PROMPT))
+    r = gguf.GGUFReader(widened)
+    router = next(t for t in r.tensors if t.name == routers[0])
+    bits = np.memmap(widened, np.uint32, "r+", offset=int(router.data_offset), shape=(1,))
+    bits[0] |= 1  # one value bf16 cannot hold
+    bits.flush()
+    del bits, r
+    assert not ftjax.load(widened).checkpoint.packed
+
+
 @pytest.fixture(scope="module")
 def default_pair(tmp_path_factory):
     """The embedded default model as a Q8_0 GGUF, and the folder model with int8 experts."""
