@@ -553,7 +553,7 @@ bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind) {
     return dequant_bf16_fast(w);
   }
   *kind = AmxTiles::kBf16Vector;
-  return isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok() && w != WeightType::kQ8_0 && dequant_bf16_fast(w);
+  return isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok() && dequant_bf16_fast(w);
 }
 
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K) {

@@ -129,8 +129,9 @@ void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
 // Whether weights of type w multiply on tiles under isa, and on which. kAmxBf16 (where
 // amx_bf16_ok): Q8_0 on the int8 tiles (where amx_int8_ok), bf16 and the formats
 // dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles (where bf16_vector_ok): bf16
-// and those formats in the vector form (Q8_0 keeps the exact path's VNNI sums). Other
-// ISAs: none.
+// and those formats in the vector form. Other
+// ISAs: none. (Q8_0 widens to bf16 too: under kAmxBf16 where AMX-INT8 is not granted,
+// and always in the vector form, where its bf16 products outrun the exact VNNI dots.)
 bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
 // Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, or amx_q8_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);

@@ -166,6 +166,12 @@ FTJAX_DQ_INLINE void block_simd(const BlockQ6_K& b, uint16_t* out, int64_t strid
   }
 }
 
+// Q8_0: one chunk, d * q (gguf's one product) for the 32 signed bytes.
+FTJAX_DQ_INLINE void block_simd(const BlockQ8_0& b, uint16_t* out, int64_t) {
+  const float d = _cvtsh_ss(b.d);
+  put_chunk(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs)), d, d, out);
+}
+
 FTJAX_DQ_INLINE void block_simd(const BlockQ4_KorQ6_K& b, uint16_t* out, int64_t stride) {
   if (b.tag == BlockQ4_KorQ6_K::kTagQ6_K) block_simd(b.q6, out, stride);
   else block_simd(b.q4, out, stride);
@@ -189,6 +195,7 @@ bool has_simd() {
 bool dequant_bf16_fast(WeightType w) {
   switch (w) {
     case WeightType::kBF16: return true;
+    case WeightType::kQ8_0:
     case WeightType::kQ4_K:
     case WeightType::kQ6_K:
     case WeightType::kQ4_K_OR_Q6_K: return has_simd();
@@ -199,6 +206,7 @@ bool dequant_bf16_fast(WeightType w) {
 void dequant_bf16(WeightType w, const void* row, int64_t K, uint16_t* out, int64_t chunk_stride) {
   if (w != WeightType::kBF16 && dequant_bf16_fast(w)) {
     switch (w) {
+      case WeightType::kQ8_0: row_simd<BlockQ8_0>(row, K, out, chunk_stride); return;
       case WeightType::kQ4_K: row_simd<BlockQ4_K>(row, K, out, chunk_stride); return;
       case WeightType::kQ6_K: row_simd<BlockQ6_K>(row, K, out, chunk_stride); return;
       default: row_simd<BlockQ4_KorQ6_K>(row, K, out, chunk_stride); return;

@@ -1,6 +1,6 @@
-// Block-format rows widened to bf16: how the AMX-BF16 tiles (amx.h) multiply weights
-// stored in a block format (Q4_K, Q6_K, the tagged Q4_K-or-Q6_K; Q4_0, Q8_0 and MXFP4
-// in the scalar reference only) during prefill.
+// Block-format rows widened to bf16: how the AMX-BF16 tiles and their vector form (amx.h)
+// multiply weights stored in a block format (Q4_K, Q6_K, the tagged Q4_K-or-Q6_K, Q8_0;
+// Q4_0 and MXFP4 in the scalar reference only) during prefill.
 //
 // A tile pass of 32 weight rows meets every token block of an expert (or, for a dense
 // matrix, a chunk of 16 token blocks), so widening the pass's rows once into the tile
@@ -14,7 +14,8 @@
 // (to_bf16). So a widened row equals the numpy twin's row rounded to bf16, bit for bit
 // (tests/test_amx.py), and the tiles' numerics are those of bf16 weights: the weights
 // rounded once more (2^-9 relative, against Q4_K's own ~12% error), the activations
-// rounded to bf16 as for bf16 checkpoints. Runs only when asked for (Isa::kAmxBf16).
+// rounded to bf16 as for bf16 checkpoints. Runs only when asked for (Isa::kAmxBf16,
+// Isa::kAvx512Bf16Tiles).
 #pragma once
 
 #include <cstdint>

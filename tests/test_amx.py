@@ -172,9 +172,9 @@ def test_the_int8_self_check_is_reported_and_decides_the_q8_0_tiles():
         assert any(word in INT8_STATUS for word in ("CPUID", "XSAVE", "XCR0", "arch_prctl", "self-check", "x86-64"))
     takes = STATUS == "" and INT8_STATUS == ""
     assert takes_amx_tiles(Isa.AMX_BF16, 64, 128, 64, "q8_0") == takes
-    assert host.tile_kind("q8_0", Isa.AMX_BF16) == ("int8" if takes else None)
-    assert host.tile_kind("q8_0", Isa.AVX512_BF16_TILES) is None  # the vector form: the exact VNNI sums
-    for dtype in ("q4_0", "mxfp4", "fp8_e4m3", "float32"):  # no int8 tiles, no vector widening
+    assert host.tile_kind("q8_0", Isa.AMX_BF16) == ("int8" if takes else "bf16" if STATUS == "" and WIDENS else None)
+    assert host.tile_kind("q8_0", Isa.AVX512_BF16_TILES) == ("bf16" if VECTOR == "" and WIDENS else None)
+    for dtype in ("q4_0", "mxfp4", "fp8_e4m3", "float32"):  # no tiles, no vector widening
         assert host.tile_kind(dtype, Isa.AMX_BF16) is None and host.tile_kind(dtype, Isa.AVX512_BF16_TILES) is None
         assert not takes_amx_tiles(Isa.AMX_BF16, 64, 256, 256, dtype)
     assert not takes_amx_tiles(Isa.AUTO, 64, 128, 64, "q8_0")
@@ -300,7 +300,7 @@ def test_widening_equals_the_numpy_twin_rounded_to_bf16(dtype):
     np.testing.assert_array_equal(host.dequant_bf16(w, dtype, simd=False), want)
     if host.dequant_bf16_fast(dtype):
         np.testing.assert_array_equal(host.dequant_bf16(w, dtype, simd=True), want)
-    assert host.dequant_bf16_fast(dtype) == (dtype in ("q4_k", "q6_k", "q4_k_or_q6_k") and WIDENS)
+    assert host.dequant_bf16_fast(dtype) == (dtype in ("q4_k", "q6_k", "q4_k_or_q6_k", "q8_0") and WIDENS)
 
 
 def k_pool(rng, dtype, num_layers, num_experts, d_model, d_ff):
@@ -324,9 +324,6 @@ def test_k_format_tiles_match_the_widening_reference(isa, threads, dtype, d_mode
     rng = np.random.default_rng(d_model + d_ff + num_tokens)
     pool = k_pool(rng, dtype, 2, 6, d_model, d_ff)
     x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
-    if isa is Isa.AVX512_BF16_TILES and dtype.startswith("q8_0"):  # the vector form leaves Q8_0 to VNNI
-        assert not takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype)
-        return
     assert takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype)
     executor = HostExecutor(pool, threads=threads, isa=isa)
     for layer in range(pool.num_layers):
