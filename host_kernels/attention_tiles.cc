@@ -205,6 +205,61 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) __m512 softmax_block(floa
     _tile_dpbf16ps(c, 3, 2);                    \
   } while (0)
 
+// The two products on the tiles. scores^T of a block: tiles 4-7 (keys k0 + 16x, x =
+// 0..3); A (keys, in place) in tiles 0, 2, 3, B (queries) in tile 1.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_scores(const uint16_t* keys, int64_t hd,
+                                                              const uint32_t* q_tiles, float* scores) {
+  const int64_t stride = hd * 2;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t ds = 0; ds < hd / kAmxK; ++ds) {
+    const uint16_t* k = keys + ds * kAmxK;
+    _tile_loadd(1, q_tiles + ds * kAmxRows * kQueries, 64);
+    _tile_loadd(0, k, stride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(2, k + kAmxRows * hd, stride);
+    _tile_dpbf16ps(5, 2, 1);
+    _tile_loadd(3, k + 2 * kAmxRows * hd, stride);
+    _tile_dpbf16ps(6, 3, 1);
+    _tile_loadd(0, k + 3 * kAmxRows * hd, stride);
+    _tile_dpbf16ps(7, 0, 1);
+  }
+  _tile_stored(4, scores, 64);
+  _tile_stored(5, scores + kAmxRows * kQueries, 64);
+  _tile_stored(6, scores + 2 * kAmxRows * kQueries, 64);
+  _tile_stored(7, scores + 3 * kAmxRows * kQueries, 64);
+}
+
+// acc (out^T [hd][16]) = acc * scale + the block's out^T: tiles 4-7, four groups of 16
+// dimensions at a time; P^T of keys 0-31 in tile 1, 32-63 in tile 2; V^T in tiles 0 and 3.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void tile_values(const uint16_t* v, int64_t hd,
+                                                                      const uint32_t* p_tile, __m512 scale,
+                                                                      float* acc) {
+  alignas(64) float out_t[kMaxHeadDim * kQueries];  // this block's out^T
+  const int64_t groups = hd / kAmxRows;
+  _tile_loadd(1, p_tile, 64);
+  _tile_loadd(2, p_tile + kAmxRows * kQueries, 64);
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t in_pass = std::min<int64_t>(4, groups - g0);
+    const uint16_t* vg = v + g0 * 2 * kVTile;
+    FTJAX_VALUE_DOTS(4, vg);
+    if (in_pass > 1) FTJAX_VALUE_DOTS(5, vg + 2 * kVTile);
+    if (in_pass > 2) FTJAX_VALUE_DOTS(6, vg + 4 * kVTile);
+    if (in_pass > 3) FTJAX_VALUE_DOTS(7, vg + 6 * kVTile);
+    float* o = out_t + g0 * kAmxRows * kQueries;
+    _tile_stored(4, o, 64);
+    if (in_pass > 1) _tile_stored(5, o + kAmxRows * kQueries, 64);
+    if (in_pass > 2) _tile_stored(6, o + 2 * kAmxRows * kQueries, 64);
+    if (in_pass > 3) _tile_stored(7, o + 3 * kAmxRows * kQueries, 64);
+  }
+  for (int64_t d = 0; d < hd; ++d) {
+    float* row = acc + d * kQueries;
+    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), scale, _mm512_load_ps(out_t + d * kQueries)));
+  }
+}
+
 // The two products in the vector form (AVX512-BF16, no AMX): the tiles' B rows are zmm
 // of 16 query columns (a pair of dimensions or keys each), the A side's pair broadcast,
 // one vdpbf16ps per (row, pair).
@@ -262,7 +317,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void qu
   alignas(64) uint32_t q_tiles[kMaxHeadDim / kAmxK * kAmxRows * kQueries];
   alignas(64) float scores[kKeyBlock * kQueries];
   alignas(64) uint32_t p_tile[2 * kAmxRows * kQueries];  // P^T's two B tiles (keys 0-31, 32-63)
-  alignas(64) float out_t[kMaxHeadDim * kQueries];  // this block's out^T
   alignas(64) float acc[kMaxHeadDim * kQueries];    // running out^T
   alignas(64) int32_t lo[kQueries], hi[kQueries];
   const float* vecs[kQueries];
@@ -293,65 +347,18 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void qu
   __m512 m = _mm512_set1_ps(kNegInf), l = _mm512_setzero_ps();
   if (cols.max_hi >= 0) {
     amx_pack(vecs, n, hd, q_tiles);
-    const int64_t steps = hd / kAmxK, groups = hd / kAmxRows;
     const int64_t first = cols.min_lo / kKeyBlock, last = cols.max_hi / kKeyBlock + 1;
     AmxScope tiles(kVector ? AmxTiles::kBf16Vector : AmxTiles::kBf16);
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t k0 = blk * kKeyBlock;
-      if constexpr (kVector) {
-        vector_scores(kv.key_rows(blk, hd), hd, q_tiles, scores);
-        const bool masked = cols.blind || k0 < cols.max_lo || k0 + kKeyBlock - 1 > cols.min_hi;
-        const __m512 scale = softmax_block(scores, k0, cols, masked, m, l, p_tile);
-        vector_values(kv.v_tiles.data() + (blk - kv.first) * groups * 2 * kVTile, hd, p_tile, scale, acc);
-        continue;
-      }
-      // scores^T: tiles 4-7 (keys k0 + 16x, x = 0..3); A in tiles 0, 2, 3, B (queries) in tile 1
       const uint16_t* keys = kv.key_rows(blk, hd);
-      const int64_t stride = hd * 2;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t ds = 0; ds < steps; ++ds) {
-        const uint16_t* k = keys + ds * kAmxK;
-        _tile_loadd(1, q_tiles + ds * kAmxRows * kQueries, 64);
-        _tile_loadd(0, k, stride);
-        _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(2, k + kAmxRows * hd, stride);
-        _tile_dpbf16ps(5, 2, 1);
-        _tile_loadd(3, k + 2 * kAmxRows * hd, stride);
-        _tile_dpbf16ps(6, 3, 1);
-        _tile_loadd(0, k + 3 * kAmxRows * hd, stride);
-        _tile_dpbf16ps(7, 0, 1);
-      }
-      _tile_stored(4, scores, 64);
-      _tile_stored(5, scores + kAmxRows * kQueries, 64);
-      _tile_stored(6, scores + 2 * kAmxRows * kQueries, 64);
-      _tile_stored(7, scores + 3 * kAmxRows * kQueries, 64);
+      const uint16_t* v = kv.v_tiles.data() + (blk - kv.first) * hd / kAmxRows * 2 * kVTile;
+      if constexpr (kVector) vector_scores(keys, hd, q_tiles, scores);
+      else tile_scores(keys, hd, q_tiles, scores);
       const bool masked = cols.blind || k0 < cols.max_lo || k0 + kKeyBlock - 1 > cols.min_hi;
       const __m512 scale = softmax_block(scores, k0, cols, masked, m, l, p_tile);
-      // out^T of the block: tiles 4-7, four groups of 16 dimensions at a time; P^T of keys
-      // 0-31 in tile 1, 32-63 in tile 2; V^T in tiles 0 and 3
-      _tile_loadd(1, p_tile, 64);
-      _tile_loadd(2, p_tile + kAmxRows * kQueries, 64);
-      const uint16_t* v = kv.v_tiles.data() + (blk - kv.first) * groups * 2 * kVTile;
-      for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-        const int64_t in_pass = std::min<int64_t>(4, groups - g0);
-        const uint16_t* vg = v + g0 * 2 * kVTile;
-        FTJAX_VALUE_DOTS(4, vg);
-        if (in_pass > 1) FTJAX_VALUE_DOTS(5, vg + 2 * kVTile);
-        if (in_pass > 2) FTJAX_VALUE_DOTS(6, vg + 4 * kVTile);
-        if (in_pass > 3) FTJAX_VALUE_DOTS(7, vg + 6 * kVTile);
-        float* o = out_t + g0 * kAmxRows * kQueries;
-        _tile_stored(4, o, 64);
-        if (in_pass > 1) _tile_stored(5, o + kAmxRows * kQueries, 64);
-        if (in_pass > 2) _tile_stored(6, o + 2 * kAmxRows * kQueries, 64);
-        if (in_pass > 3) _tile_stored(7, o + 3 * kAmxRows * kQueries, 64);
-      }
-      for (int64_t d = 0; d < hd; ++d) {
-        float* row = acc + d * kQueries;
-        _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), scale, _mm512_load_ps(out_t + d * kQueries)));
-      }
+      if constexpr (kVector) vector_values(v, hd, p_tile, scale, acc);
+      else tile_values(v, hd, p_tile, scale, acc);
     }
   }
   // out = acc^T / l (0 where a column saw no key)
