@@ -563,7 +563,8 @@ def prompt_tables(run: Run):
 
 def prompt_attention_tables(run: Run):
     """`scripts/bench_prompt_attention.py` lines: one layer's attention for a prompt chunk,
-    the AMX tiles and the exact kernel per thread count against XLA's blocked form."""
+    the bf16 tiles (AMX or their vector form) and the exact kernel per thread count against
+    XLA's blocked form."""
     lines = run.bench("prompt_attention")
     threads = sorted({n for x in lines for n in (x.get("exact_ms") or {})}, key=int)
     rows = []
@@ -572,7 +573,8 @@ def prompt_attention_tables(run: Run):
         xla = Value(x.get("xla_ms"), x)
         row = [Text(f"{x.get('geometry')} ({x.get('heads')} heads, {x.get('kv_heads')} KV heads of "
                     f"{x.get('head_dim')}), {x.get('tokens'):,} tokens, "
-                    + ("the first chunk" if x.get("chunk") == "first" else f"after {x.get('keys') - x.get('tokens'):,} keys"))]
+                    + ("the first chunk" if x.get("chunk") == "first" else f"after {x.get('keys') - x.get('tokens'):,} keys")
+                    + (f", tiles `{x.get('tiles_isa')}`" if x.get("tiles_isa") else ""))]
         row += [Value(tiles[n], x) if n in tiles else Text("—") for n in threads]
         exact = x.get("exact_ms") or {}
         row += [Value(exact[n], x) if n in exact else Text("—") for n in threads]
@@ -775,10 +777,11 @@ QUESTIONS = [
              "`scripts/bench_prompt_cost.py [--llama-bench BIN --gguf FILE] | tail -1 >> "
              "docs/results/prompt/DATE/prompt.jsonl`"),
     Question("attention", "Prompt attention per path",
-             "One layer's attention for a prompt chunk, bf16 K/V cache (`scripts/bench_prompt_attention.py`): the AMX "
-             "tiles (`host_kernels/attention_tiles.cc`, what numerics=\"fast\" runs on an AMX CPU: q, k, v and the "
-             "softmax weights rounded to bf16) and the exact f32 kernel at each thread count, against XLA's blocked "
-             "f32 form (what a prompt runs without AMX or under numerics=\"exact\") on all cores; a first chunk "
+             "One layer's attention for a prompt chunk, bf16 K/V cache (`scripts/bench_prompt_attention.py`): the bf16 "
+             "tiles (`host_kernels/attention_tiles.cc`, what numerics=\"fast\" runs: AMX tiles on an AMX CPU, their "
+             "AVX512-BF16 vector form on one without; q, k, v and the softmax weights rounded to bf16) and the exact "
+             "f32 kernel at each thread count, against XLA's blocked "
+             "f32 form (what a prompt runs without either or under numerics=\"exact\") on all cores; a first chunk "
              "from position 0 and a chunk appended after a long history.",
              [prompt_attention_tables],
              "`scripts/bench_prompt_attention.py >> docs/results/attention/DATE/attention.jsonl`"),
@@ -788,7 +791,8 @@ QUESTIONS = [
              "(`scripts/bench_expert_prefill.py`): ftjax's host expert kernel under each ISA path (the exact AVX-512 "
              "/ AVX2 kernels; for bf16 experts AVX512_BF16 and the AMX tiles round activations to bf16; for Q8_0 "
              "`amx_bf16` is the AMX-INT8 tiles, the exact path's integer sums; for Q4_K / Q6_K the bf16 tiles on rows "
-             "widened to bf16 pass by pass), the whole layer; oneMKL doing only "
+             "widened to bf16 pass by pass; `avx512_bf16_tiles` is the bf16 tiles' AVX512-BF16 vector form, for CPUs "
+             "without AMX, Q8_0 widened to bf16 too), the whole layer; oneMKL doing only "
              "each expert's two products, activations already gathered: `cblas_gemm_bf16bf16f32` for bf16 and the K "
              "formats, `cblas_gemm_s8u8s32` for Q8_0 (one scale per matrix: the int8 work without Q8_0's scale per 32).",
              [expert_prefill_tables, numerics_tables],
