@@ -60,7 +60,7 @@ def test_recurrence_matches_transformers_reference():
 
     q, k, v, g, beta, state = _inputs(20, seed=3)
     raw_q = q / 8**-0.5  # transformers normalises and scales q itself (use_qk_l2norm_in_kernel)
-    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (a writable copy for torch)
     want, want_state = torch_recurrent_gated_delta_rule(t(raw_q), t(k), t(v), t(g), t(beta), initial_state=t(state),
                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
     got, got_state = deltanet.chunked_delta_rule(q, k, v, g, beta, state)
