@@ -103,6 +103,7 @@ def test_packed_linear_uses_gemm_for_many_rows(monkeypatch):
         assert (host.LINEAR_FFI_TARGET in fn.lower(jnp.asarray(x), jnp.asarray(w_bits)).as_text()) == kernel
 
 
+
 def test_bad_arguments_raise():
     rng = np.random.default_rng(4)
     x, w = make(rng, 8, 6, 2, "float32")
@@ -193,3 +194,26 @@ def test_calls_the_tiles_do_not_take_keep_the_exact_kernels(isa, case):
     assert not host.linear_takes_tiles(isa, tokens, n_out, n_in, wtype)
     np.testing.assert_array_equal(linear_numpy(x, w, threads=2, isa=isa, wtype=name),
                                   linear_numpy(x, w, threads=2, isa=Isa.AUTO, wtype=name))
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+@pytest.mark.parametrize("wtype", ["bfloat16", "q8_0"])
+def test_a_prompt_on_the_tiles_keeps_the_kernel_at_every_row_count(isa, wtype):
+    """Under a tile ISA (numerics="fast": `host.dense_settings`) a packed or quantised
+    matrix stays on the host kernel from PACKED_GEMM_MIN_TOKENS rows too — its bf16 tiles
+    beat XLA's GEMM on the widened matrix — and gives the tiles' rounding reference; where
+    the tiles do not take the matrix (Q8_0 under AMX without AMX-INT8) XLA's GEMM stays."""
+    from ftjax.models.ops import PACKED_GEMM_MIN_TOKENS, QuantMatrix
+
+    rows = PACKED_GEMM_MIN_TOKENS + 9
+    x, w32 = make(np.random.default_rng(11), 48, 64, rows, "float32")
+    w, name = stored(w32, wtype)
+    takes = host.linear_takes_tiles(isa, rows, 48, 64, wtype)
+    weight = jnp.asarray(w) if name is None else QuantMatrix(jnp.asarray(w), name)
+    with host.dense_settings(2, isa):
+        fn = jax.jit(lambda x, w: model_linear(x, w))
+        text = fn.lower(jnp.asarray(x), weight).as_text()
+        y = np.asarray(fn(jnp.asarray(x), weight))
+    assert (host.LINEAR_FFI_TARGET in text) == takes
+    if takes:
+        assert_close(y, reference_linear(x, w, name, isa=isa))

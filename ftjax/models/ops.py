@@ -106,29 +106,37 @@ def linear(x: jax.Array, w: jax.Array | QuantMatrix) -> jax.Array:
     Packed weights: a few rows (decode, short prompts) stream the bf16 matrix through
     the host GEMV kernel at memory speed; from `PACKED_GEMM_MIN_TOKENS` rows (prompt
     chunks) the matrix is widened to f32 once and multiplied by XLA's GEMM, which reuses
-    each weight across rows (at 512 rows of a 4096 x 2048 matrix: 120 ms vs 314 ms). A
-    matrix whose f32 view would exceed `PACKED_GEMM_MAX_BYTES` (a large-vocabulary LM
-    head when every prompt position's logits are asked for) stays on the kernel.
+    each weight across rows (at 512 rows of a 4096 x 2048 matrix: 120 ms vs 314 ms),
+    unless the kernel multiplies them on the bf16 tiles (numerics="fast" on an AMX or
+    AVX512-BF16 CPU), which beat that GEMM. A matrix whose f32 view would exceed
+    `PACKED_GEMM_MAX_BYTES` (a large-vocabulary LM head when every prompt position's
+    logits are asked for) stays on the kernel.
     On an accelerator, packed weights go to its own bf16 matmul (`bf16_matmul`)."""
     if isinstance(w, QuantMatrix):
         fmt = FORMATS[w.fmt]
-        if jax.default_backend() != "cpu" or (fmt.act_block != K_ACT_BLOCK and _gemm_wins(x, math.prod(w.shape))):
+        if jax.default_backend() != "cpu" or (fmt.act_block != K_ACT_BLOCK and _gemm_wins(x, w.shape, w.fmt)):
             # XLA dequantises
             return (fmt.act(x.astype(jnp.float32)) @ w.to_f32().T).astype(x.dtype)
         return host.linear(x, w.data, wtype=w.fmt).astype(x.dtype)
     if w.dtype == jnp.uint16:
         if jax.default_backend() != "cpu":
             return bf16_matmul(x, w).astype(x.dtype)
-        if _gemm_wins(x, w.size):
+        if _gemm_wins(x, w.shape, "bfloat16"):
             return (x.astype(jnp.float32) @ as_f32(w).T).astype(x.dtype)
         return host.linear(x, w).astype(x.dtype)
     return x @ w
 
 
-def _gemm_wins(x: jax.Array, num_weights: int) -> bool:
-    """Whether XLA's GEMM on the widened f32 matrix beats the host kernel for x's rows (see
-    `linear`): enough rows to reuse each weight, and an f32 view that is not too big."""
-    return math.prod(x.shape[:-1]) >= PACKED_GEMM_MIN_TOKENS and 4 * num_weights <= PACKED_GEMM_MAX_BYTES
+def _gemm_wins(x: jax.Array, shape: tuple[int, int], wtype: str) -> bool:
+    """Whether XLA's GEMM on the widened f32 matrix [out, in] of `wtype` beats the host
+    kernel for x's rows (see `linear`): enough rows to reuse each weight, an f32 view that
+    is not too big, and a kernel call that would not run on the bf16 tiles (numerics="fast"
+    on an AMX or AVX512-BF16 CPU, `host.dense_settings`: the tiles beat XLA's f32 GEMM at
+    every row count — OLMoE geometry prefill-512, bf16, 2 Zen 4 threads: XLA's GEMMs were
+    29% of the samples)."""
+    rows = math.prod(x.shape[:-1])
+    return (rows >= PACKED_GEMM_MIN_TOKENS and 4 * math.prod(shape) <= PACKED_GEMM_MAX_BYTES
+            and not host.linear_takes_tiles(host.dense_isa(), rows, shape[0], shape[1], wtype))
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
