@@ -227,7 +227,9 @@ def test_server_reports_cached_tokens_and_resumes_after_restart(default_model, t
     ids1, ids2 = tok.encode_chat(turn1), tok.encode_chat(turn2)
     assert ids2[:len(ids1)] == ids1
     want = tok.decode(default_model.generate(ids2, 10)).strip()
-    args = ("--state-cache", "semantic", "--state-cache-dir", str(tmp_path / "states"))
+    # the server runs the reference's model: the same policy (under numerics="fast" host
+    # experts prefill on the bf16 tiles, device ones in XLA's f32: other roundings)
+    args = ("--policy", "host", "--state-cache", "semantic", "--state-cache-dir", str(tmp_path / "states"))
     with serving.server(*args) as port:
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         r1 = oai.chat.completions.create(model="ftjax-default", messages=turn1, max_tokens=4, temperature=0)
