@@ -544,16 +544,13 @@ void amx_q8_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed
 namespace ftjax {
 
 bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind) {
-  if (isa == Isa::kAmxBf16 && amx_bf16_ok()) {
-    if (w == WeightType::kQ8_0 && amx_int8_ok()) {
-      *kind = AmxTiles::kInt8;
-      return true;
-    }
-    *kind = AmxTiles::kBf16;
-    return dequant_bf16_fast(w);
+  if (!tiles_granted(isa)) return false;
+  if (isa == Isa::kAmxBf16 && w == WeightType::kQ8_0 && amx_int8_ok()) {
+    *kind = AmxTiles::kInt8;
+    return true;
   }
-  *kind = AmxTiles::kBf16Vector;
-  return isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok() && dequant_bf16_fast(w);
+  *kind = isa == Isa::kAmxBf16 ? AmxTiles::kBf16 : AmxTiles::kBf16Vector;
+  return dequant_bf16_fast(w);
 }
 
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K) {

@@ -52,6 +52,12 @@ inline bool amx_bf16_ok() { return amx_bf16_status().empty(); }
 // equals the reference), else why not.
 const std::string& bf16_vector_status();
 inline bool bf16_vector_ok() { return bf16_vector_status().empty(); }
+// Whether isa is a tile ISA this process may run: kAmxBf16 where amx_bf16_ok, or
+// kAvx512Bf16Tiles where bf16_vector_ok (prompt calls on the bf16 tiles or their vector
+// form; everything else on kAuto's exact kernels).
+inline bool tiles_granted(Isa isa) {
+  return (isa == Isa::kAmxBf16 && amx_bf16_ok()) || (isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok());
+}
 
 // uint32 words of n tokens of K values packed: ceil(n / 16) token blocks of K / 32 tiles
 // of 16 x 16 words (K % 32 == 0).
@@ -126,12 +132,12 @@ void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
 
 // ---- Either kind, by weight type (the expert FFN's and the dense layer's tile paths) -------
 
-// Whether weights of type w multiply on tiles under isa, and on which. kAmxBf16 (where
-// amx_bf16_ok): Q8_0 on the int8 tiles (where amx_int8_ok), bf16 and the formats
-// dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles (where bf16_vector_ok): bf16
-// and those formats in the vector form. Other
-// ISAs: none. (Q8_0 widens to bf16 too: under kAmxBf16 where AMX-INT8 is not granted,
-// and always in the vector form, where its bf16 products outrun the exact VNNI dots.)
+// Whether weights of type w multiply on tiles under isa (tiles_granted), and on which.
+// kAmxBf16: Q8_0 on the int8 tiles (where amx_int8_ok), bf16 and the formats
+// dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles: bf16 and those formats in
+// the vector form. (Q8_0 is one of them: widened to bf16 under kAmxBf16 where AMX-INT8 is
+// not granted, and always in the vector form, where its bf16 products outrun the exact
+// VNNI dots.)
 bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
 // Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, or amx_q8_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);

@@ -412,10 +412,8 @@ TaskFn select_task(Isa isa) {
   const bool avx512 = cpu_has_avx512(), avx2 = cpu_has_avx2_fma();
   switch (isa) {
     case Isa::kAmxBf16:  // decode keeps the exact kernels (prompts: attention_takes_tiles)
-      if (!amx_bf16_ok()) return nullptr;
-      return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
-    case Isa::kAvx512Bf16Tiles:  // the same (prompts: the tiles' vector form)
-      if (!bf16_vector_ok()) return nullptr;
+    case Isa::kAvx512Bf16Tiles:
+      if (!tiles_granted(isa)) return nullptr;
       [[fallthrough]];
     case Isa::kAuto: return avx512 ? &task_avx512 : avx2 ? &task_avx2 : &task_scalar;
     case Isa::kAvx512: return avx512 ? &task_avx512 : nullptr;

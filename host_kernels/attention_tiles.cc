@@ -56,8 +56,7 @@ constexpr int64_t kMaxHeadDim = 256;
 }  // namespace
 
 bool attention_takes_tiles(Isa isa, int64_t num_queries, int64_t hd) {
-  const bool engine = (isa == Isa::kAmxBf16 && amx_bf16_ok()) || (isa == Isa::kAvx512Bf16Tiles && bf16_vector_ok());
-  return engine && num_queries >= kAmxMinTokens && hd % kAmxK == 0 && hd <= kMaxHeadDim;
+  return tiles_granted(isa) && num_queries >= kAmxMinTokens && hd % kAmxK == 0 && hd <= kMaxHeadDim;
 }
 
 #if defined(__x86_64__) && defined(__linux__)

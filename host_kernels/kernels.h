@@ -207,11 +207,11 @@ void quantise_act_q8(const float* x, int64_t n, ActQ8* out, bool simd);
 void quantise_act_q8k(const float* x, int64_t n, ActQ8K* out, bool simd);
 // kAuto: the widest exact one (AVX-512 F, then AVX2, then scalar). kAvx512Bf16 (only when
 // asked for): bf16 rows meet bf16-rounded activations in vdpbf16ps (kernels_avx512_bf16.cc).
-// kAmxBf16 (only when asked for, and where amx_bf16_ok()): kAuto's kernels, except that an
-// expert FFN call of bf16 experts with >= kAmxMinTokens tokens (prefill) multiplies on
-// AMX tiles with bf16-rounded activations (amx.h). kAvx512Bf16Tiles (only when asked for,
-// and where bf16_vector_ok()): the same, the tiles' layouts multiplied with vdpbf16ps on a
-// CPU without AMX (amx.h's vector form).
+// kAmxBf16 (only when asked for, and where amx_bf16_ok()): kAuto's kernels, except that
+// calls of >= kAmxMinTokens tokens (prompts: expert FFN, dense linear, attention) multiply
+// on AMX tiles with bf16-rounded activations (amx.h). kAvx512Bf16Tiles (only when asked
+// for, and where bf16_vector_ok()): the same, the tiles' layouts multiplied with vdpbf16ps
+// on a CPU without AMX (amx.h's vector form). tiles_granted (amx.h) says which runs.
 enum class Isa : int32_t {
   kAuto = 0,
   kScalar = 1,

@@ -120,11 +120,9 @@ const Kernels* select_kernels(Isa isa) {
       return avx512;
     case Isa::kAvx512Bf16:
       return avx512_bf16;
-    case Isa::kAmxBf16:  // the exact kernels; expert_ffn takes the tiles for prefill
-      if (!amx_bf16_ok()) return nullptr;
-      return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();
-    case Isa::kAvx512Bf16Tiles:  // the same, the tiles in the vector form
-      if (!bf16_vector_ok()) return nullptr;
+    case Isa::kAmxBf16:  // the exact kernels; prompt calls take the tiles (tiles_granted)
+    case Isa::kAvx512Bf16Tiles:
+      if (!tiles_granted(isa)) return nullptr;
       [[fallthrough]];
     case Isa::kAuto:
     default:

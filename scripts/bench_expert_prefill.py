@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ftjax.experts.pool import HostExpertPool, to_bf16_bits
-from ftjax import host
-from ftjax.host import HostExecutor, Isa, auto_isa, available_isas
+from ftjax.host import HostExecutor, Isa, auto_isa, available_isas, tile_isas
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
 
 E, D, F, TOP_K = 64, 2048, 1024, 8  # OLMoE-1B-7B's experts
@@ -188,7 +187,7 @@ def main() -> int:
         lines.append(line)
         print(json.dumps(line), flush=True)
 
-    isas = [i for i in available_isas() if i in (Isa.AVX512, Isa.AVX2, Isa.AVX512_BF16, *host.tile_isas())]
+    isas = [i for i in available_isas() if i in (Isa.AVX512, Isa.AVX2, Isa.AVX512_BF16, *tile_isas())]
     int8 = args.dtype == "q8_0"  # the K formats multiply on bf16 tiles
     gemm = MklGemm(lib, int8=int8) if lib else None
     for threads in args.threads:

@@ -12,6 +12,7 @@ import ftjax
 from ftjax.engine.sampling import bias_arrays
 import hf_models
 from ftjax.models.layers import blocked_attention, reference_attention
+from test_amx import TILE_ISAS  # the bf16 tiles' engines, each skipped where this CPU lacks it
 
 CASES = [  # B, T, H, G, hd, S, start per row, window, block
     (1, 7, 4, 2, 8, 64, 0, 0, 16),
@@ -260,11 +261,6 @@ def test_host_write_rows(dtype):
 
 TILE_STATUS = ftjax.host.amx_bf16_status()
 VECTOR_STATUS = ftjax.host.bf16_vector_status()
-TILE_ISAS = [
-    pytest.param(ftjax.host.Isa.AMX_BF16, id="amx",
-                 marks=pytest.mark.skipif(TILE_STATUS != "", reason=f"no AMX-BF16 tiles here: {TILE_STATUS}")),
-    pytest.param(ftjax.host.Isa.AVX512_BF16_TILES, id="vector", marks=pytest.mark.skipif(
-        VECTOR_STATUS != "", reason=f"no AVX512-BF16 vector form here: {VECTOR_STATUS}"))]
 
 TILE_CASES = [  # B, T, H, G, hd, S, kv_len per row, window
     (1, 16, 4, 2, 64, 64, [16], 0),  # the fewest tokens the tiles take

@@ -12,6 +12,7 @@ from ftjax.experts.pool import to_bf16_bits
 from ftjax.experts.storage import FORMATS
 from ftjax.host import Boundary, Isa, available_isas, linear_numpy, reference_linear
 from ftjax.models.common import linear as model_linear
+from test_amx import TILE_ISAS  # the bf16 tiles' engines, each skipped where this CPU lacks it
 
 ISAS = [i for i in available_isas() if i not in host.tile_isas()]  # the tile ISAs: the tile tests below
 
@@ -134,13 +135,6 @@ def test_dense_settings_cap_the_pool_and_choose_the_isa():
 
 
 # ---- bf16 tiles (a prompt's tokens under AMX_BF16 or its vector form: linear.cc `linear_amx`) ----
-
-AMX = host.amx_bf16_status()
-needs_amx = pytest.mark.skipif(AMX != "", reason=f"no AMX-BF16 tiles here: {AMX}")
-VECTOR = host.bf16_vector_status()
-TILE_ISAS = [pytest.param(Isa.AMX_BF16, marks=needs_amx, id="amx"),
-             pytest.param(Isa.AVX512_BF16_TILES, id="vector",
-                          marks=pytest.mark.skipif(VECTOR != "", reason=f"no AVX512-BF16 vector form here: {VECTOR}"))]
 
 
 def stored(w32: np.ndarray, wtype: str) -> tuple[np.ndarray, str | None]:
