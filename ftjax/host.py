@@ -48,7 +48,7 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, bf16_bits_to_f32, format_of, part_formats, \
+from ftjax.experts.storage import FORMATS, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats, \
     to_bf16_bits
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
@@ -111,6 +111,13 @@ def bf16_vector_status() -> str:
     product equals the reference: host_kernels/amx.cc), else the reason it does not.
     AVX512_BF16_TILES needs it."""
     return _hk.bf16_vector_status()
+
+
+def int8_vector_status() -> str:
+    """'' when the int8 tiles' vector form runs here (CPUID names AVX512-VNNI, and a small
+    Q8_0, Q4_K and Q6_K product equals the reference: host_kernels/int8_vector.cc), else the
+    reason it does not. Under AVX512_BF16_TILES, block-format weights take it."""
+    return _hk.int8_vector_status()
 
 
 def has_avx2() -> bool:
@@ -186,7 +193,8 @@ def rounds_activations_to_bf16(isa: Isa = Isa.AUTO) -> bool:
 def expert_isa(numerics: str) -> Isa:
     """The ISA a model's host experts run with: under numerics="fast", AMX_BF16 where its
     self-check passed, else AVX512_BF16_TILES where that one passed (prompts on the bf16
-    tiles or their vector form, activations rounded to bf16 as llama.cpp does; decode stays
+    tiles or their vector form, activations rounded to bf16 as llama.cpp does; block-format
+    weights on the int8 tiles or their VNNI vector form, activations int8; decode stays
     exact); else AUTO. $FTJAX_ISA, when set, decides."""
     if numerics == "fast" and not os.environ.get(ISA_ENV, "").strip():
         if amx_bf16_status() == "":
@@ -198,20 +206,18 @@ def expert_isa(numerics: str) -> Isa:
 
 def isa_report() -> dict[str, str | int]:
     """What the kernels run with on this machine, for benchmark lines and `ftjax profile`:
-    the exact ISA AUTO means, the self-checks of the AMX tiles and of their vector form
+    the exact ISA AUTO means, the self-checks of the AMX tiles and of their vector forms
     ("ok" or why not), what numerics="fast" prefills with, and how far ahead the decode
     GEMV prefetches into L2."""
     return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok",
             "amx_int8": amx_int8_status() or "ok", "bf16_vector": bf16_vector_status() or "ok",
-            "fast": expert_isa("fast").name.lower(), "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
+            "int8_vector": int8_vector_status() or "ok", "fast": expert_isa("fast").name.lower(), "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
 
 
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:
     """Whether an expert FFN call of `dtype` experts (a pool format name, or a pair
-    'gate_up/down') multiplies on AMX tiles: bf16, Q4_K and Q6_K on the bf16 tiles
-    (activations rounded to bf16, block weights widened to bf16), Q8_0 on the int8 tiles
-    (the exact path's int8 sums); the kernel's own rule (host_kernels/expert_ffn.cc
-    `expert_ffn_takes_tiles`)."""
+    'gate_up/down') multiplies on AMX tiles or their vector forms (which ones: `tile_kind`);
+    the kernel's own rule (host_kernels/expert_ffn.cc `expert_ffn_takes_tiles`)."""
     parts = part_formats(dtype)
     return _hk.expert_ffn_takes_tiles(resolve_isa(isa).value, WEIGHT_TYPE_CODES[parts["gate_up"].name],
                                       WEIGHT_TYPE_CODES[parts["down"].name], d_model, d_ff, num_tokens)
@@ -220,9 +226,11 @@ def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: s
 def tile_kind(dtype: str, isa: Isa) -> str | None:
     """The tiles weights of format `dtype` multiply on under `isa` in a call that takes
     tiles: "bf16" (bf16, and the formats widened to bf16 row pass by row pass: Q4_K, Q6_K,
-    Q4_K-or-Q6_K; activations rounded to bf16; on AMX or in the vector form), "int8" (Q8_0
-    under AMX_BF16 where AMX-INT8 passed its self-check: the exact path's int8 sums), or
-    None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
+    Q4_K-or-Q6_K, Q8_0; activations rounded to bf16; on AMX or in the vector form), "int8"
+    (Q8_0 under AMX_BF16 where AMX-INT8 passed its self-check: the exact path's int8 sums),
+    "int8_vector" (Q8_0, Q4_K, Q6_K, Q4_K-or-Q6_K under AVX512_BF16_TILES where the int8
+    vector form passed its self-check: int8 activations per 32 values, Q8_0's sums the
+    exact path's), or None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
     return _hk.amx_tile_kind(resolve_isa(isa).value, WEIGHT_TYPE_CODES[dtype]) or None
 
 
@@ -421,13 +429,17 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     bf16 bits; or a block format's uint8 rows named by `wtype`, dequantised by the format's
     numpy twin), the activations quantised or rounded as the kernel does
     (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16` and on the bf16
-    tiles, where block weights are widened to bf16 too: `linear_takes_tiles`, `tile_kind`)."""
+    tiles, where block weights are widened to bf16 too; per 32 values on the int8 vector
+    form: `linear_takes_tiles`, `tile_kind`)."""
     fmt = weight_format(w, wtype)
     x = np.asarray(x, np.float32)
     w32 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1)
     tiles = linear_takes_tiles(isa, len(x), w32.shape[0], w32.shape[1], fmt.name)
-    if tiles and tile_kind(fmt.name, isa) == "bf16":
+    kind = tile_kind(fmt.name, isa) if tiles else None
+    if kind == "bf16":
         x, w32 = round_to_bf16(x), round_to_bf16(w32)
+    elif kind == "int8_vector":  # int8 per 32 values, whatever the format
+        x = act_q8_numpy(x)
     elif fmt.act_block:
         x = fmt.act_numpy(x)
     elif np.asarray(w).dtype == np.uint16 and rounds_activations_to_bf16(isa):
@@ -690,6 +702,8 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
         return (round_to_bf16(w) if fmts and kinds[part] == "bf16" else w).astype(np.float64)
 
     def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
+        if kinds[part] == "int8_vector":  # per 32 values, whatever the format
+            return act_q8_numpy(v).astype(np.float64)
         if kinds[part] == "bf16" or (np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa)):
             return round_to_bf16(v).astype(np.float64)
         if fmts and fmts[part].act_block:

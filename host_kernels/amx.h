@@ -73,7 +73,9 @@ bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed)
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
 // TILERELEASE). Every amx_dots call on tiles runs inside a kBf16 scope, every amx_q8_dots
 // call inside a kInt8 one (their tiles have other shapes); a kBf16Vector scope does nothing.
-enum class AmxTiles { kBf16, kInt8, kBf16Vector };
+enum class AmxTiles { kBf16, kInt8, kBf16Vector, kInt8Vector };
+// Whether `kind` multiplies int8 activations (ActQ8 rows, quantise_rows_q8) rather than floats.
+inline bool int8_tiles(AmxTiles kind) { return kind == AmxTiles::kInt8 || kind == AmxTiles::kInt8Vector; }
 class AmxScope {
  public:
   explicit AmxScope(AmxTiles tiles = AmxTiles::kBf16);
@@ -130,20 +132,53 @@ void amx_q8_dots(const uint8_t* rows, int64_t row_bytes, int64_t num_rows, const
 // paths only (every AMX CPU has AVX-512).
 void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
 
+// ---- The int8 tiles' vector form: block weights against ActQ8 on AVX512-VNNI (int8_vector.cc)
+//
+// For CPUs without AMX-INT8: lanes = tokens, one vpdpbusd adds 4 byte products into each
+// of 16 tokens' int32 sums (64 a instruction, twice vdpbf16ps's 32). Q8_0, Q4_K, Q6_K and
+// the tagged Q4_K-or-Q6_K; a pass's rows are unpacked once into unsigned bytes with their
+// group scales (int8_vector.cc explains the arithmetic). Q8_0's block sums are the exact
+// path's integers; the K formats meet ActQ8 (per 32 values) instead of ActQ8K.
+// One K block of 16 tokens: q, then 16 lanes each of d, d * sum q and three int32 starts.
+constexpr int64_t kInt8VectorStepBytes = 8 * 64 + 5 * kAmxRows * 4;
+
+// "" when the int8 vector form runs here (CPUID: AVX512-VNNI, BW, VL; a small product of
+// each format equals the reference), else why not.
+const std::string& int8_vector_status();
+inline bool int8_vector_ok() { return int8_vector_status().empty(); }
+// Whether the int8 vector form multiplies weights of type w (where int8_vector_ok).
+bool int8_vector_takes(WeightType w);
+inline int64_t int8_vector_packed_bytes(int64_t n, int64_t K) {
+  return (n + kAmxRows - 1) / kAmxRows * (K / 32) * kInt8VectorStepBytes;
+}
+// vecs[j] (K / 32 ActQ8 blocks) for j < n -> packed (16-token blocks of K / 32 steps:
+// the q as 8 rows of 16 tokens x 4, then per token d, d * sum q, -128 sum q and -32 times
+// each half's sum); padding tokens are zeros.
+// Vector code where the form runs; int8_vector_pack_scalar is its reference.
+void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
+void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
+// out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
+// j < 16 * blocks: rows of type w (int8_vector_takes), row_bytes apart; packed holds
+// `blocks` token blocks of int8_vector_pack over the same K.
+void int8_vector_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed,
+                      int64_t blocks, int64_t K, float* out, int64_t out_stride);
+
 // ---- Either kind, by weight type (the expert FFN's and the dense layer's tile paths) -------
 
 // Whether weights of type w multiply on tiles under isa (tiles_granted), and on which.
 // kAmxBf16: Q8_0 on the int8 tiles (where amx_int8_ok), bf16 and the formats
-// dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles: bf16 and those formats in
-// the vector form. (Q8_0 is one of them: widened to bf16 under kAmxBf16 where AMX-INT8 is
-// not granted, and always in the vector form, where its bf16 products outrun the exact
-// VNNI dots.)
+// dequant_bf16_fast widens on the bf16 tiles. kAvx512Bf16Tiles: the formats
+// int8_vector_takes in the int8 vector form (where int8_vector_ok), bf16 and the other
+// widened formats in the bf16 vector form. (Q8_0 is widened to bf16 under kAmxBf16 where
+// AMX-INT8 is not granted.)
 bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
-// Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, or amx_q8_packed_bytes).
+// Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, amx_q8_packed_bytes
+// or int8_vector_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);
-// vecs[j] for j < n -> packed: floats for kBf16 (amx_pack), ActQ8 rows for kInt8 (amx_q8_pack).
+// vecs[j] for j < n -> packed: floats for the bf16 kinds (amx_pack), ActQ8 rows for the
+// int8 ones (amx_q8_pack, int8_vector_pack).
 void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed);
-// amx_dots or amx_q8_dots, as `kind` says.
+// amx_dots, amx_q8_dots or int8_vector_dots, as `kind` says.
 void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows,
                    const uint8_t* packed, int64_t blocks, int64_t K, float* out, int64_t out_stride);
 

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "blocks.h"
+#include "simd_math.h"
 
 namespace ftjax {
 namespace {
@@ -146,19 +147,12 @@ FTJAX_DQ_INLINE void block_simd(const BlockQ4_K& b, uint16_t* out, int64_t strid
 // levels (as the dot kernels assemble them), each two 16-value scales; q - 32 in the bytes.
 FTJAX_DQ_INLINE void block_simd(const BlockQ6_K& b, uint16_t* out, int64_t stride) {
   const float d = _cvtsh_ss(b.d);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+  const __m256i bias = _mm256_set1_epi8(32);
   for (int h = 0; h < 2; ++h) {
-    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
-    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-    const __m256i lows[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                             _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                             _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
-    const __m256i highs[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), high2),
-                              _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2), _mm256_and_si256(qh, high2),
-                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)};
+    __m256i levels[4];
+    q6_k_levels(b.ql + 64 * h, b.qh + 32 * h, levels);
     for (int k = 0; k < 4; ++k) {
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lows[k], highs[k]), bias);
+      const __m256i q = _mm256_sub_epi8(levels[k], bias);
       const int g = 8 * h + 2 * k;
       put_chunk(q, d * static_cast<float>(b.scales[g]), d * static_cast<float>(b.scales[g + 1]),
                 out + (4 * h + k) * stride);

@@ -409,11 +409,13 @@ NB_MODULE(_host_kernels, m) {
   m.def("amx_tile_kind", [](int isa, int wtype) {
           AmxTiles kind;
           return amx_tiles_for(static_cast<Isa>(isa), static_cast<WeightType>(wtype), &kind)
-                     ? (kind == AmxTiles::kInt8 ? "int8" : "bf16")
+                     ? (kind == AmxTiles::kInt8 ? "int8" : kind == AmxTiles::kInt8Vector ? "int8_vector" : "bf16")
                      : "";
         }, "isa"_a, "wtype"_a,
-        "The tiles a weight type multiplies on under isa ('bf16': AMX-BF16 or their vector form, 'int8', '' for "
-        "none): amx_tiles_for.");
+        "The tiles a weight type multiplies on under isa ('bf16': AMX-BF16 or their vector form, 'int8': AMX-INT8, "
+        "'int8_vector': their AVX512-VNNI form, '' for none): amx_tiles_for.");
+  m.def("int8_vector_status", [] { return int8_vector_status(); },
+        "'' when the int8 tiles' vector form (AVX512-VNNI) runs here and passed the self-check, else why not");
   m.def("bf16_vector_status", [] { return bf16_vector_status(); },
         "'' when the bf16 tiles' vector form (AVX512-BF16) runs here and passed the self-check, else why not");
   m.def("dequant_bf16_fast", [](int wtype) { return dequant_bf16_fast(static_cast<WeightType>(wtype)); },

@@ -1,8 +1,10 @@
 // Vector math shared by the AVX-512 tile paths (amx.cc's SwiGLU, attention_tiles.cc's
-// softmax). Every CPU with AMX has AVX-512; callers reach these only on such a CPU.
+// softmax, the Q6_K unpacking of dequant.cc and int8_vector.cc). Every CPU with AMX has
+// AVX-512; callers reach these only on such a CPU.
 #pragma once
 
 #if defined(__x86_64__)
+#include <cstdint>
 #include <immintrin.h>
 
 namespace ftjax {
@@ -23,6 +25,21 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp16(__m512 x) 
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
+}
+
+// Half h of a Q6_K super-block (its 64 bytes of low nibbles ql and 32 of high pairs qh, as
+// kernels.h lays them out): quarter k's 32 levels q = low | high << 4 (0..63) in levels[k].
+__attribute__((target("avx2"), always_inline)) inline void q6_k_levels(const uint8_t* ql, const uint8_t* qh,
+                                                                       __m256i (&levels)[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  levels[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+  levels[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+  levels[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(h, high2));
+  levels[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                              _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
 }
 
 }  // namespace ftjax

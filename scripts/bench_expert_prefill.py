@@ -7,16 +7,17 @@ prompt of T tokens routed at random (each token to 8 distinct experts: ~T / 8 to
 expert). For each thread count:
     ftjax   HostExecutor.expert_ffn_numpy under each ISA this CPU has (AUTO's exact
             kernels, AVX512_BF16, AMX_BF16 — for Q8_0 experts AMX_BF16 means the AMX-INT8
-            tiles, for Q4_K / Q6_K the bf16 tiles on rows widened pass by pass): the whole
-            layer (gather, gate/up, SwiGLU, down, weighted scatter).
+            tiles, for Q4_K / Q6_K the bf16 tiles on rows widened pass by pass —, and
+            AVX512_BF16_TILES: bf16 experts on AVX512-BF16 vectors, block formats on the
+            int8 vector form, AVX512-VNNI; host.tile_kind): the whole layer (gather,
+            gate/up, SwiGLU, down, weighted scatter).
     mkl     for each expert's gate/up [n, 2F] and down [n, D] products only (activations
             already gathered and converted: a lower bound on a layer built on it), the
             experts split over the threads, MKL's sequential layer in each:
-            cblas_gemm_bf16bf16f32 for bf16 and the K formats (what their tiles
-            multiply, the widening not counted); for Q8_0 cblas_gemm_s8u8s32, the same int8
-            multiply-adds with one scale per matrix — Q8_0's scale per 32 weights is not a
-            GEMM MKL has, so this bounds what a library int8 GEMM could do, it does not
-            compute the layer. libmkl_rt is found in --mkl-lib or in this environment's
+            cblas_gemm_bf16bf16f32 for bf16; for the block formats cblas_gemm_s8u8s32,
+            the same int8 multiply-adds with one scale per matrix — a scale per 32 weights
+            (or per 16) is not a GEMM MKL has, so this bounds what a library int8 GEMM
+            could do, it does not compute the layer. libmkl_rt is found in --mkl-lib or in this environment's
             `mkl` wheel (pip install mkl); absent, the line says CANNOT TEST.
 Medians of --rounds; one JSON line per (system, path, threads), then a verdict line.
 
@@ -188,7 +189,7 @@ def main() -> int:
         print(json.dumps(line), flush=True)
 
     isas = [i for i in available_isas() if i in (Isa.AVX512, Isa.AVX2, Isa.AVX512_BF16, *tile_isas())]
-    int8 = args.dtype == "q8_0"  # the K formats multiply on bf16 tiles
+    int8 = args.dtype != "bfloat16"  # block formats: the int8 GEMM (the vector form's products)
     gemm = MklGemm(lib, int8=int8) if lib else None
     for threads in args.threads:
         for isa in isas:

@@ -26,6 +26,13 @@ needs_vector = pytest.mark.skipif(VECTOR != "", reason=f"no AVX512-BF16 vector f
 # the bf16 tiles' two engines: each test below runs on every one this CPU has
 TILE_ISAS = [pytest.param(Isa.AMX_BF16, marks=needs_amx, id="amx"),
              pytest.param(Isa.AVX512_BF16_TILES, marks=needs_vector, id="vector")]
+INT8_STATUS = host.amx_int8_status()
+needs_amx_int8 = pytest.mark.skipif(INT8_STATUS != "", reason=f"no AMX-INT8 tiles here: {INT8_STATUS}")
+INT8_VECTOR = host.int8_vector_status()
+needs_int8_vector = pytest.mark.skipif(INT8_VECTOR != "", reason=f"no AVX512-VNNI int8 vector form here: {INT8_VECTOR}")
+# the int8 tiles' two engines (Q8_0 on AMX-INT8; every block format in the VNNI vector form)
+INT8_ISAS = [pytest.param(Isa.AMX_BF16, marks=[needs_amx, needs_amx_int8], id="amx"),
+             pytest.param(Isa.AVX512_BF16_TILES, marks=[needs_vector, needs_int8_vector], id="vector")]
 
 
 def test_the_self_check_is_reported_and_decides_availability():
@@ -157,10 +164,7 @@ def test_the_model_takes_tiles_under_fast_numerics_only(monkeypatch):
     assert ftjax.load(policy="host").stats()["host_isa"] == "scalar"
 
 
-# ---- AMX-INT8: Q8_0 experts -----------------------------------------------------------------
-
-INT8_STATUS = host.amx_int8_status()
-needs_amx_int8 = pytest.mark.skipif(INT8_STATUS != "", reason=f"no AMX-INT8 tiles here: {INT8_STATUS}")
+# ---- int8: Q8_0 experts on AMX-INT8 or the VNNI vector form -------------------------------------
 
 
 def test_the_int8_self_check_is_reported_and_decides_the_q8_0_tiles():
@@ -173,7 +177,8 @@ def test_the_int8_self_check_is_reported_and_decides_the_q8_0_tiles():
     takes = STATUS == "" and INT8_STATUS == ""
     assert takes_amx_tiles(Isa.AMX_BF16, 64, 128, 64, "q8_0") == takes
     assert host.tile_kind("q8_0", Isa.AMX_BF16) == ("int8" if takes else "bf16" if STATUS == "" and WIDENS else None)
-    assert host.tile_kind("q8_0", Isa.AVX512_BF16_TILES) == ("bf16" if VECTOR == "" and WIDENS else None)
+    assert host.tile_kind("q8_0", Isa.AVX512_BF16_TILES) == (
+        None if VECTOR else "int8_vector" if INT8_VECTOR == "" else "bf16" if WIDENS else None)
     for dtype in ("q4_0", "mxfp4", "fp8_e4m3", "float32"):  # no tiles, no vector widening
         assert host.tile_kind(dtype, Isa.AMX_BF16) is None and host.tile_kind(dtype, Isa.AVX512_BF16_TILES) is None
         assert not takes_amx_tiles(Isa.AMX_BF16, 64, 256, 256, dtype)
@@ -184,8 +189,22 @@ def q8_0_pool(rng, num_layers, num_experts, d_model, d_ff):
     return make_pool(rng, num_layers, num_experts, d_model, d_ff, "float32").converted("q8_0")
 
 
-@needs_amx
-@needs_amx_int8
+def test_the_int8_vector_self_check_is_reported_and_decides_the_block_formats():
+    """One answer per process, in the benchmark lines: under AVX512_BF16_TILES every block
+    format the vector form knows (Q8_0, Q4_K, Q6_K, the tagged one) takes it where it
+    passed, the bf16 vector form where it did not; bf16 weights always the bf16 one."""
+    assert isinstance(INT8_VECTOR, str) and host.int8_vector_status() == INT8_VECTOR
+    assert host.isa_report()["int8_vector"] == (INT8_VECTOR or "ok")
+    if INT8_VECTOR:
+        assert any(word in INT8_VECTOR for word in ("CPUID", "self-check", "x86-64"))
+    for dtype in ("q8_0", "q4_k", "q6_k", "q4_k_or_q6_k"):
+        want = None if VECTOR else "int8_vector" if INT8_VECTOR == "" else "bf16" if WIDENS else None
+        assert host.tile_kind(dtype, Isa.AVX512_BF16_TILES) == want
+        assert host.tile_kind(dtype, Isa.AMX_BF16) != "int8_vector"
+    assert host.tile_kind("bfloat16", Isa.AVX512_BF16_TILES) == (None if VECTOR else "bf16")
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("d_model,d_ff,num_tokens,top_k", [
     (64, 32, 16, 1),     # one 16-row block, one token block, one K block pair
@@ -193,15 +212,15 @@ def q8_0_pool(rng, num_layers, num_experts, d_model, d_ff):
     (256, 128, 64, 4),   # several token blocks per expert
     (64, 96, 200, 8),    # many tokens per expert
 ])
-def test_q8_0_tiles_match_the_exact_kernels(threads, d_model, d_ff, num_tokens, top_k):
+def test_q8_0_tiles_match_the_exact_kernels(isa, threads, d_model, d_ff, num_tokens, top_k):
     """The tiles compute the exact path's integer block sums and scale them as it does: the
     same numbers up to float summation order, on the same int8 activations (the numpy
     reference quantises them as the kernels do)."""
     rng = np.random.default_rng(d_model + d_ff + num_tokens)
     pool = q8_0_pool(rng, 2, 6, d_model, d_ff)
     x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
-    assert takes_amx_tiles(Isa.AMX_BF16, num_tokens, d_model, d_ff, "q8_0")
-    tiles = HostExecutor(pool, threads=threads, isa=Isa.AMX_BF16)
+    assert takes_amx_tiles(isa, num_tokens, d_model, d_ff, "q8_0")
+    tiles = HostExecutor(pool, threads=threads, isa=isa)
     exact = HostExecutor(pool, threads=threads, isa=Isa.AUTO)
     for layer in range(pool.num_layers):
         y = tiles.expert_ffn_numpy(x, layer, ids, weights)
@@ -215,13 +234,12 @@ def test_q8_0_tiles_match_the_exact_kernels(threads, d_model, d_ff, num_tokens, 
         np.testing.assert_allclose(y, ref, rtol=0, atol=2e-3 * scale)
 
 
-@needs_amx
-@needs_amx_int8
-def test_q8_0_tiles_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("isa", INT8_ISAS)
+def test_q8_0_tiles_do_not_depend_on_the_thread_count(isa):
     rng = np.random.default_rng(11)
     pool = q8_0_pool(rng, 1, 8, 128, 64)
     x, ids, weights = make_batch(rng, 48, 4, 128, 8)
-    runs = [HostExecutor(pool, threads=t, isa=Isa.AMX_BF16).expert_ffn_numpy(x, 0, ids, weights) for t in (1, 2, 4)]
+    runs = [HostExecutor(pool, threads=t, isa=isa).expert_ffn_numpy(x, 0, ids, weights) for t in (1, 2, 4)]
     np.testing.assert_array_equal(runs[0], runs[1])
     np.testing.assert_array_equal(runs[0], runs[2])
 
@@ -242,11 +260,12 @@ def test_q8_0_calls_the_tiles_do_not_take_keep_the_exact_kernels(case):
     np.testing.assert_array_equal(tiles, auto)
 
 
-@needs_amx
-@needs_amx_int8
+@pytest.mark.skipif(host.tile_kind("q8_0", host.expert_isa("fast")) not in ("int8", "int8_vector"),
+                    reason="numerics='fast' puts no Q8_0 expert on int8 tiles here (no AMX-INT8, no VNNI vector form)")
 def test_a_q8_0_model_prefills_on_the_int8_tiles_with_the_exact_paths_tokens(monkeypatch):
     """The default model with Q8_0 experts: numerics="fast" (the default for quantised
-    experts) prefills its host experts on the int8 tiles, and with the same K/V dtype its
+    experts) prefills its host experts on the int8 tiles (AMX-INT8 or their VNNI vector
+    form), and with the same K/V dtype its
     greedy tokens are the exact path's and its logits within a few 1e-3: each layer's h
     is quantised to int8 from sums added in another order, so a value at a rounding
     boundary moves one int8 step, and later layers carry it on. (Dense weights in f32, which
@@ -259,8 +278,9 @@ def test_a_q8_0_model_prefills_on_the_int8_tiles_with_the_exact_paths_tokens(mon
     fast = ftjax.load(policy="host", expert_dtype="int8", dense_dtype="float32", kv_dtype="float32")
     exact = ftjax.load(policy="host", expert_dtype="int8", dense_dtype="float32", kv_dtype="float32", numerics="exact")
     assert fast.checkpoint.pool.dtype == "q8_0" and fast.numerics == "fast"
-    assert (fast.stats()["host_isa"], exact.stats()["host_isa"]) == ("amx_bf16", host.auto_isa().name.lower())
-    assert takes_amx_tiles(Isa.AMX_BF16, len(prompt), fast.config.d_model, fast.config.d_ff_expert, "q8_0")
+    isa = host.expert_isa("fast")
+    assert (fast.stats()["host_isa"], exact.stats()["host_isa"]) == (isa.name.lower(), host.auto_isa().name.lower())
+    assert takes_amx_tiles(isa, len(prompt), fast.config.d_model, fast.config.d_ff_expert, "q8_0")
     a, b = fast.logits(prompt), exact.logits(prompt)
     scale = float(np.abs(b).max())
     np.testing.assert_allclose(a, b, rtol=0, atol=5e-3 * scale)
@@ -341,9 +361,11 @@ def test_k_format_tiles_match_the_widening_reference(isa, threads, dtype, d_mode
 @needs_widening
 @pytest.mark.parametrize("isa", TILE_ISAS)
 def test_k_format_tiles_are_closer_to_the_float_model_than_int8_activations(isa):
-    """What "fast" trades for Q4_K / Q6_K experts: bf16 activations (2^-9 relative) where the
-    exact kernels quantise them to int8 per 256 values (llama.cpp's Q8_K). Against the
-    dequantised weights times the f32 activations, the tiles are the closer of the two."""
+    """What "fast" trades for Q4_K / Q6_K experts: bf16 activations (2^-9 relative) on the
+    bf16 tiles, int8 per 32 values in the int8 vector form, where the exact kernels quantise
+    them to int8 per 256 values (llama.cpp's Q8_K). Against the dequantised weights times
+    the f32 activations, the tiles are the closer of the two (bf16: by 2x and more; int8
+    per 32: by ~1.3x)."""
     rng = np.random.default_rng(23)
     pool = k_pool(rng, "q4_k/q6_k", 1, 4, 256, 256)
     x, ids, weights = make_batch(rng, 32, 2, 256, 4)
@@ -354,7 +376,8 @@ def test_k_format_tiles_are_closer_to_the_float_model_than_int8_activations(isa)
         truth[t] += weights[t, k] * (down @ (gate / (1 + np.exp(-gate)) * up))
     err = {i: np.abs(HostExecutor(pool, threads=2, isa=i).expert_ffn_numpy(x, 0, ids, weights) - truth).max()
            for i in (isa, Isa.AUTO)}
-    assert err[isa] < err[Isa.AUTO] / 2, err
+    margin = 1 if host.tile_kind("q4_k", isa) == "int8_vector" else 2
+    assert err[isa] < err[Isa.AUTO] / margin, err
 
 
 @needs_widening
@@ -393,3 +416,25 @@ def test_fast_numerics_prefill_the_dense_products_on_the_tiles(monkeypatch):
     np.testing.assert_allclose(a, b, rtol=0, atol=0.1 * scale)
     assert np.mean(np.abs(a - b) > 1e-2 * scale) < 0.05 and not np.array_equal(a, b)
     assert fast.generate(prompt, 8) == exact.generate(prompt, 8)
+
+
+@needs_vector
+@needs_int8_vector
+def test_the_int8_vector_form_keeps_mixed_tags_right():
+    """A tagged Q4_K-or-Q6_K matrix whose blocks alternate between the two (a GGUF layer never
+    does; an array built by hand may): the int8 vector form multiplies such a row pass
+    plainly (weights widened to bf16) instead of in its one-format unpacking, so the result
+    is still the product, within the bf16 rounding of the weights."""
+    rng = np.random.default_rng(29)
+    w = block_rows(rng, "q4_k_or_q6_k", 48, 512)
+    x = rng.standard_normal((40, 512)).astype(np.float32)
+    isa = Isa.AVX512_BF16_TILES
+    assert host.tile_kind("q4_k_or_q6_k", isa) == "int8_vector" and host.linear_takes_tiles(isa, 40, 48, 512, "q4_k_or_q6_k")
+    y = host.linear_numpy(x, w, threads=2, isa=isa, wtype="q4_k_or_q6_k")
+    ref = host.reference_linear(x, w, "q4_k_or_q6_k", isa=isa)  # exact weights, int8 activations per 32
+    scale = np.abs(ref).max(axis=1, keepdims=True) + 1e-30
+    assert np.abs(y - ref).max() > 0 and np.all(np.abs(y - ref) <= 1e-2 * scale)
+    uniform = block_rows(rng, "q4_k", 48, 512)  # one format: the fast unpacking, float order only
+    y = host.linear_numpy(x, uniform, threads=2, isa=isa, wtype="q4_k")
+    ref = host.reference_linear(x, uniform, "q4_k", isa=isa)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
