@@ -39,8 +39,8 @@ struct Int8Rows {
   WeightType format = WeightType::kQ8_0;  // Q8_0, Q4_K or Q6_K
   int64_t K = 0;
   std::vector<uint8_t> u;      // [K / 32 blocks][kAmxPass rows][32]
-  std::vector<float> scale;    // [groups][kAmxPass rows]
-  std::vector<float> min;      // [K / 32][kAmxPass rows] (Q4_K)
+  std::vector<float> scale;    // [kAmxPass rows][groups]
+  std::vector<float> min;      // [kAmxPass rows][K / 32] (Q4_K)
   int group() const { return format == WeightType::kQ6_K ? 16 : kQuantBlock; }
   int offset() const { return format == WeightType::kQ8_0 ? 128 : format == WeightType::kQ6_K ? 32 : 0; }
 };
@@ -49,17 +49,21 @@ struct Int8Rows {
 // compiler reload its data pointer after each).
 struct RowsOut {
   uint8_t* u;
-  float* scale;
-  float* min;
-  explicit RowsOut(Int8Rows& w) : u(w.u.data()), scale(w.scale.data()), min(w.min.data()) {}
+  float* scale;  // row r's at scale + r * groups (a super-block's 8 or 16 in one store)
+  float* min;    // row r's at min + r * blocks
+  int64_t groups, blocks;
+  explicit RowsOut(Int8Rows& w)
+      : u(w.u.data()), scale(w.scale.data()), min(w.min.data()), groups(w.K / w.group()), blocks(w.K / kQuantBlock) {}
   uint8_t* u_at(int64_t b, int64_t r) const { return u + (b * kAmxPass + r) * kQuantBlock; }
+  float* scale_at(int64_t g, int64_t r) const { return scale + r * groups + g; }
+  float* min_at(int64_t b, int64_t r) const { return min + r * blocks + b; }
 };
 
 // ---- the scalar reference: one row's blocks into Int8Rows ---------------------------------
 
 void unpack_scalar(const BlockQ8_0& b, int64_t b0, RowsOut w, int64_t r) {
   for (int i = 0; i < kQuantBlock; ++i) w.u_at(b0, r)[i] = static_cast<uint8_t>(b.qs[i] + 128);
-  w.scale[b0 * kAmxPass + r] = half_to_float(b.d);
+  *w.scale_at(b0, r) = half_to_float(b.d);
 }
 void unpack_scalar(const BlockQ4_K& b, int64_t b0, RowsOut w, int64_t r) {
   const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
@@ -67,8 +71,8 @@ void unpack_scalar(const BlockQ4_K& b, int64_t b0, RowsOut w, int64_t r) {
     uint8_t sc, m;
     q4_k_scale_min(b.scales, s, &sc, &m);
     for (int l = 0; l < kQuantBlock; ++l) w.u_at(b0 + s, r)[l] = (b.qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF;
-    w.scale[(b0 + s) * kAmxPass + r] = d * static_cast<float>(sc);
-    w.min[(b0 + s) * kAmxPass + r] = -(dmin * static_cast<float>(m));
+    *w.scale_at(b0 + s, r) = d * static_cast<float>(sc);
+    *w.min_at(b0 + s, r) = -(dmin * static_cast<float>(m));
   }
 }
 void unpack_scalar(const BlockQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
@@ -82,7 +86,7 @@ void unpack_scalar(const BlockQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
         w.u_at(blk, r)[l] = static_cast<uint8_t>(low | high << 4);
       }
       for (int half = 0; half < 2; ++half)
-        w.scale[(2 * blk + half) * kAmxPass + r] = d * static_cast<float>(b.scales[8 * h + 2 * k + half]);
+        *w.scale_at(2 * blk + half, r) = d * static_cast<float>(b.scales[8 * h + 2 * k + half]);
     }
 }
 
@@ -186,37 +190,32 @@ FTJAX_VNNI_INLINE void store32(RowsOut w, int64_t b, int64_t r, __m256i u) {
 FTJAX_VNNI_INLINE void unpack_simd(const BlockQ8_0& b, int64_t b0, RowsOut w, int64_t r) {
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
   store32(w, b0, r, _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))));
-  w.scale[b0 * kAmxPass + r] = _cvtsh_ss(b.d);
+  *w.scale_at(b0, r) = _cvtsh_ss(b.d);
 }
 FTJAX_VNNI_INLINE void unpack_simd(const BlockQ4_K& b, int64_t b0, RowsOut w, int64_t r) {
   alignas(16) uint8_t sc_m[16];  // sc_0..7, m_0..7
   q4_k_unpack_scales(b.scales, sc_m);
   const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc_m))));
   const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d)), dmin = _mm512_set1_ps(-_cvtsh_ss(b.dmin));
-  alignas(64) float scaled[16];  // d sc_0..7, -(dmin m_0..7)
-  _mm512_store_ps(scaled, _mm512_mul_ps(v, _mm512_mask_blend_ps(0xFF00, d, dmin)));  // sc lanes 0-7, m 8-15
+  const __m512 scaled = _mm512_mul_ps(v, _mm512_mask_blend_ps(0xFF00, d, dmin));  // d sc_0..7, -(dmin m_0..7)
+  _mm256_storeu_ps(w.scale_at(b0, r), _mm512_castps512_ps256(scaled));
+  _mm256_storeu_ps(w.min_at(b0, r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scaled), 1)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * c));
     store32(w, b0 + 2 * c, r, _mm256_and_si256(bytes, low4));
     store32(w, b0 + 2 * c + 1, r, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
   }
-  for (int s = 0; s < BlockQ4_K::kSubBlocks; ++s) {
-    w.scale[(b0 + s) * kAmxPass + r] = scaled[s];
-    w.min[(b0 + s) * kAmxPass + r] = scaled[8 + s];
-  }
 }
 FTJAX_VNNI_INLINE void unpack_simd(const BlockQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
   const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d));
-  alignas(64) float scaled[16];  // d * scale_g
-  _mm512_store_ps(scaled, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales))))));
+  _mm512_storeu_ps(w.scale_at(2 * b0, r), _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                                          reinterpret_cast<const __m128i*>(b.scales))))));
   for (int h = 0; h < 2; ++h) {
     __m256i levels[4];
     q6_k_levels(b.ql + 64 * h, b.qh + 32 * h, levels);
     for (int k = 0; k < 4; ++k) store32(w, b0 + 4 * h + k, r, levels[k]);
   }
-  for (int g = 0; g < 16; ++g) w.scale[(2 * b0 + g) * kAmxPass + r] = scaled[g];
 }
 FTJAX_VNNI_INLINE void unpack_simd(const BlockQ4_KorQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
   if (b.tag == BlockQ4_KorQ6_K::kTagQ6_K) unpack_simd(b.q6, b0, w, r);
@@ -290,7 +289,7 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
                           int64_t out_stride) {
   constexpr int kRows = 4, kBlocks = kTwoTokenBlocks ? 2 : 1;
   constexpr int kGroups = F == WeightType::kQ6_K ? 2 : 1, kSteps = 8 / kGroups;
-  const int64_t nb = w.K / kQuantBlock;
+  const int64_t nb = w.K / kQuantBlock, groups = nb * kGroups;
   for (int64_t m0 = 0; m0 < nr; m0 += kRows) {
     __m512 acc[kRows][kBlocks];
     for (int m = 0; m < kRows; ++m)
@@ -301,7 +300,7 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
       __m512 t[kRows][kBlocks];
 #pragma GCC unroll 2
       for (int gi = 0; gi < kGroups; ++gi) {
-        const float* scale = w.scale.data() + (blk * kGroups + gi) * kAmxPass + m0;
+        const float* scale = w.scale.data() + m0 * groups + blk * kGroups + gi;  // row m's at + m * groups
         __m512i isum[kRows][kBlocks];
         for (int j = 0; j < kBlocks; ++j) {
           // the tokens' -offset * sum(q_x) over the group (Q4_K: no offset)
@@ -324,7 +323,7 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
           }
         }
         for (int m = 0; m < kRows; ++m) {
-          const __m512 sc = _mm512_set1_ps(scale[m]);
+          const __m512 sc = _mm512_set1_ps(scale[m * groups]);
           for (int j = 0; j < kBlocks; ++j) {
             const __m512 f = _mm512_cvtepi32_ps(isum[m][j]);
             t[m][j] = gi == 0 ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, t[m][j]);
@@ -338,7 +337,7 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
         if constexpr (F == WeightType::kQ4_K) {
           const __m512 sx = _mm512_loadu_ps(d + kAmxRows);
           for (int m = 0; m < kRows; ++m)
-            acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(w.min[blk * kAmxPass + m0 + m]), sx, acc[m][j]);
+            acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(w.min[(m0 + m) * nb + blk]), sx, acc[m][j]);
         }
       }
     }
@@ -399,8 +398,8 @@ double reference(const Int8Rows& w, int64_t r, const ActQ8* x, double* mag) {
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       const int64_t g = (b * kQuantBlock + i) / w.group();
       const int level = w.u[(b * kAmxPass + r) * kQuantBlock + i] - w.offset();
-      double v = static_cast<double>(w.scale[g * kAmxPass + r]) * level;
-      if (w.format == WeightType::kQ4_K) v += w.min[b * kAmxPass + r];
+      double v = static_cast<double>(w.scale[r * (w.K / w.group()) + g]) * level;
+      if (w.format == WeightType::kQ4_K) v += w.min[r * (w.K / kQuantBlock) + b];
       const double p = v * x[b].d * x[b].qs[i];
       sum += p;
       *mag += std::fabs(p);
