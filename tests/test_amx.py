@@ -1,12 +1,15 @@
 """AMX tiles for expert prefill (host_kernels/amx.cc, the tile path of
 host_kernels/expert_ffn.cc): AMX-BF16 and the bf16 tiles' vector form (AVX512_BF16_TILES:
 the same layouts on vdpbf16ps, for CPUs without AMX) against the numpy reference that
-rounds the activations as the tiles do, AMX-INT8 (Q8_0 experts) against the exact
-integer kernels; the self-checks and every fallback.
+rounds the activations as the tiles do, AMX-INT8 (Q8_0 experts) and the int8 tiles' VNNI
+vector form (host_kernels/int8_vector.cc: Q8_0, Q4_K, Q6_K under AVX512_BF16_TILES) against
+the exact integer kernels or the reference that quantises activations per 32 values; the
+self-checks and every fallback.
 
 The tile tests run where the CPU, the OS and Linux's permission give AMX-BF16 tiles
-(`host.amx_bf16_status() == ""`), the vector form's where the CPU has AVX512-BF16
-(`host.bf16_vector_status() == ""`), and are skipped elsewhere with the reason; the
+(`host.amx_bf16_status() == ""`), the vector forms' where the CPU has AVX512-BF16 and
+VNNI (`host.bf16_vector_status() == ""`, `host.int8_vector_status() == ""`), and are
+skipped elsewhere with the reason; the
 fallback tests run everywhere. Letters: D model dim, F expert FFN dim, T tokens, K top-k.
 """
 
