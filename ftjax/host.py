@@ -48,7 +48,7 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, act_q8_numpy, bf16_bits_to_f32, format_of, part_formats, \
+from ftjax.experts.storage import FORMATS, bf16_bits_to_f32, format_of, part_formats, \
     to_bf16_bits
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
@@ -229,8 +229,7 @@ def tile_kind(dtype: str, isa: Isa) -> str | None:
     Q4_K-or-Q6_K, Q8_0; activations rounded to bf16; on AMX or in the vector form), "int8"
     (Q8_0 under AMX_BF16 where AMX-INT8 passed its self-check: the exact path's int8 sums),
     "int8_vector" (Q8_0, Q4_K, Q6_K, Q4_K-or-Q6_K under AVX512_BF16_TILES where the int8
-    vector form passed its self-check: int8 activations per 32 values, Q8_0's sums the
-    exact path's), or None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
+    vector form passed its self-check: the exact path's int8 activations and sums), or None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
     return _hk.amx_tile_kind(resolve_isa(isa).value, WEIGHT_TYPE_CODES[dtype]) or None
 
 
@@ -429,8 +428,7 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     bf16 bits; or a block format's uint8 rows named by `wtype`, dequantised by the format's
     numpy twin), the activations quantised or rounded as the kernel does
     (`storage.quantise_activations`; bf16 under `rounds_activations_to_bf16` and on the bf16
-    tiles, where block weights are widened to bf16 too; per 32 values on the int8 vector
-    form: `linear_takes_tiles`, `tile_kind`)."""
+    tiles, where block weights are widened to bf16 too: `linear_takes_tiles`, `tile_kind`)."""
     fmt = weight_format(w, wtype)
     x = np.asarray(x, np.float32)
     w32 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1)
@@ -438,9 +436,7 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     kind = tile_kind(fmt.name, isa) if tiles else None
     if kind == "bf16":
         x, w32 = round_to_bf16(x), round_to_bf16(w32)
-    elif kind == "int8_vector":  # int8 per 32 values, whatever the format
-        x = act_q8_numpy(x)
-    elif fmt.act_block:
+    elif fmt.act_block:  # the exact kernels', the int8 tiles' and their vector form's int8 activations
         x = fmt.act_numpy(x)
     elif np.asarray(w).dtype == np.uint16 and rounds_activations_to_bf16(isa):
         x = round_to_bf16(x)
@@ -702,8 +698,6 @@ def reference_expert_ffn(gate_up: np.ndarray, down: np.ndarray, layer: int, x: n
         return (round_to_bf16(w) if fmts and kinds[part] == "bf16" else w).astype(np.float64)
 
     def act(v, part):  # block formats meet int8-quantised activations (storage.quantise_activations)
-        if kinds[part] == "int8_vector":  # per 32 values, whatever the format
-            return act_q8_numpy(v).astype(np.float64)
         if kinds[part] == "bf16" or (np.asarray(parts[part]).dtype == np.uint16 and rounds_activations_to_bf16(isa)):
             return round_to_bf16(v).astype(np.float64)
         if fmts and fmts[part].act_block:

@@ -550,7 +550,7 @@ bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind) {
     return true;
   }
   if (isa == Isa::kAvx512Bf16Tiles && int8_vector_takes(w) && int8_vector_ok()) {
-    *kind = AmxTiles::kInt8Vector;
+    *kind = w == WeightType::kQ8_0 ? AmxTiles::kInt8Vector : AmxTiles::kInt8VectorK;
     return true;
   }
   *kind = isa == Isa::kAmxBf16 ? AmxTiles::kBf16 : AmxTiles::kBf16Vector;
@@ -560,12 +560,15 @@ bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind) {
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K) {
   if (kind == AmxTiles::kInt8) return amx_q8_packed_bytes(n, K);
   if (kind == AmxTiles::kInt8Vector) return int8_vector_packed_bytes(n, K);
+  if (kind == AmxTiles::kInt8VectorK) return int8_vector_k_packed_bytes(n, K);
   return amx_packed_words(n, K) * 4;
 }
 
 void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
   if (kind == AmxTiles::kInt8) amx_q8_pack(reinterpret_cast<const ActQ8* const*>(vecs), n, K, packed);
   else if (kind == AmxTiles::kInt8Vector) int8_vector_pack(reinterpret_cast<const ActQ8* const*>(vecs), n, K, packed);
+  else if (kind == AmxTiles::kInt8VectorK)
+    int8_vector_k_pack(reinterpret_cast<const ActQ8K* const*>(vecs), n, K, packed);
   else amx_pack(vecs, n, K, reinterpret_cast<uint32_t*>(packed));
 }
 
@@ -573,7 +576,7 @@ void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_by
                    const uint8_t* packed, int64_t blocks, int64_t K, float* out, int64_t out_stride) {
   if (kind == AmxTiles::kInt8)
     amx_q8_dots(static_cast<const uint8_t*>(rows), row_bytes, num_rows, packed, blocks, K, out, out_stride);
-  else if (kind == AmxTiles::kInt8Vector)
+  else if (kind == AmxTiles::kInt8Vector || kind == AmxTiles::kInt8VectorK)
     int8_vector_dots(w, rows, row_bytes, num_rows, packed, blocks, K, out, out_stride);
   else
     amx_dots(kind, w, rows, row_bytes, num_rows, reinterpret_cast<const uint32_t*>(packed), blocks, K, out,

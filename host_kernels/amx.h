@@ -73,9 +73,12 @@ bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed)
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
 // TILERELEASE). Every amx_dots call on tiles runs inside a kBf16 scope, every amx_q8_dots
 // call inside a kInt8 one (their tiles have other shapes); a kBf16Vector scope does nothing.
-enum class AmxTiles { kBf16, kInt8, kBf16Vector, kInt8Vector };
-// Whether `kind` multiplies int8 activations (ActQ8 rows, quantise_rows_q8) rather than floats.
-inline bool int8_tiles(AmxTiles kind) { return kind == AmxTiles::kInt8 || kind == AmxTiles::kInt8Vector; }
+enum class AmxTiles { kBf16, kInt8, kBf16Vector, kInt8Vector, kInt8VectorK };
+// Values per int8 activation block `kind` multiplies (ActQ8: 32; the K formats' vector
+// form ActQ8K: 256), 0 for the bf16 kinds (floats).
+inline int64_t int8_act_block(AmxTiles kind) {
+  return kind == AmxTiles::kInt8VectorK ? 256 : kind == AmxTiles::kInt8 || kind == AmxTiles::kInt8Vector ? 32 : 0;
+}
 class AmxScope {
  public:
   explicit AmxScope(AmxTiles tiles = AmxTiles::kBf16);
@@ -137,10 +140,12 @@ void amx_swiglu(float* gate, const float* up, int64_t n, float limit);
 // For CPUs without AMX-INT8: lanes = tokens, one vpdpbusd adds 4 byte products into each
 // of 16 tokens' int32 sums (64 a instruction, twice vdpbf16ps's 32). Q8_0, Q4_K, Q6_K and
 // the tagged Q4_K-or-Q6_K; a pass's rows are unpacked once into unsigned bytes with their
-// group scales (int8_vector.cc explains the arithmetic). Q8_0's block sums are the exact
-// path's integers; the K formats meet ActQ8 (per 32 values) instead of ActQ8K.
-// One K block of 16 tokens: q, then 16 lanes each of d, d * sum q and three int32 starts.
-constexpr int64_t kInt8VectorStepBytes = 8 * 64 + 5 * kAmxRows * 4;
+// group scales (int8_vector.cc explains the arithmetic). Q8_0 meets ActQ8 (kInt8Vector),
+// the K formats ActQ8K (kInt8VectorK): the exact kernels' activations and integer sums.
+// One 32-value block of 16 tokens: q, then 16 lanes each of d and the int32 start.
+constexpr int64_t kInt8VectorStepBytes = 8 * 64 + 2 * kAmxRows * 4;
+// One 256-value super-block of 16 tokens: q, then 16 lanes of d, 8 x 16 sub-block sums, 16 x 16 starts.
+constexpr int64_t kInt8VectorKStepBytes = 64 * 64 + (1 + 8 + 16) * kAmxRows * 4;
 
 // "" when the int8 vector form runs here (CPUID: AVX512-VNNI, BW, VL; a small product of
 // each format equals the reference), else why not.
@@ -151,15 +156,23 @@ bool int8_vector_takes(WeightType w);
 inline int64_t int8_vector_packed_bytes(int64_t n, int64_t K) {
   return (n + kAmxRows - 1) / kAmxRows * (K / 32) * kInt8VectorStepBytes;
 }
+inline int64_t int8_vector_k_packed_bytes(int64_t n, int64_t K) {
+  return (n + kAmxRows - 1) / kAmxRows * (K / 256) * kInt8VectorKStepBytes;
+}
 // vecs[j] (K / 32 ActQ8 blocks) for j < n -> packed (16-token blocks of K / 32 steps:
-// the q as 8 rows of 16 tokens x 4, then per token d, d * sum q, -128 sum q and -32 times
-// each half's sum); padding tokens are zeros.
+// the q as 8 rows of 16 tokens x 4, then per token d and -128 sum q); padding tokens are
+// zeros.
 // Vector code where the form runs; int8_vector_pack_scalar is its reference.
 void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
 void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
+// vecs[j] (K / 256 ActQ8K blocks) for j < n -> packed for the K formats (16-token blocks of
+// K / 256 steps: 64 rows of q, then per token d, the sub-blocks' sum q and -32 times each
+// 16 values' sum).
+void int8_vector_k_pack(const ActQ8K* const* vecs, int64_t n, int64_t K, uint8_t* packed);
 // out[r * out_stride + j] = row_r . token_j for r < num_rows (a multiple of 16) and
 // j < 16 * blocks: rows of type w (int8_vector_takes), row_bytes apart; packed holds
-// `blocks` token blocks of int8_vector_pack over the same K.
+// `blocks` token blocks of int8_vector_pack (Q8_0) or int8_vector_k_pack (the K formats)
+// over the same K.
 void int8_vector_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed,
                       int64_t blocks, int64_t K, float* out, int64_t out_stride);
 
@@ -172,11 +185,11 @@ void int8_vector_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t
 // widened formats in the bf16 vector form. (Q8_0 is widened to bf16 under kAmxBf16 where
 // AMX-INT8 is not granted.)
 bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
-// Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, amx_q8_packed_bytes
-// or int8_vector_packed_bytes).
+// Bytes of n tokens of K values packed for `kind` (amx_packed_words * 4, amx_q8_packed_bytes,
+// int8_vector_packed_bytes or int8_vector_k_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);
-// vecs[j] for j < n -> packed: floats for the bf16 kinds (amx_pack), ActQ8 rows for the
-// int8 ones (amx_q8_pack, int8_vector_pack).
+// vecs[j] for j < n -> packed: floats for the bf16 kinds (amx_pack), ActQ8 or ActQ8K rows
+// for the int8 ones (int8_act_block; amx_q8_pack, int8_vector_pack, int8_vector_k_pack).
 void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed);
 // amx_dots, amx_q8_dots or int8_vector_dots, as `kind` says.
 void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows,

@@ -90,12 +90,15 @@ inline void prepare_rows(const Kernels& kernels, WeightType w, const float* src,
   parallel_for(threads, rows, [&](int64_t r) { prepare_activations(kernels, w, src + r * n, 1, n, dst + r * n); });
 }
 
-// dst [rows, n] = each row of src as n / 32 ActQ8 blocks (at the start of its n floats):
-// what the int8 tiles and their vector form read, whatever the weight type.
-inline void quantise_rows_q8(const Kernels& kernels, const float* src, int64_t rows, int64_t n, float* dst,
-                             ThreadPool* threads) {
+// dst [rows, n] = each row of src as n / block ActQ8 (block 32) or ActQ8K (block 256)
+// blocks, at the start of its n floats: what the int8 tiles and their vector form read.
+inline void quantise_rows_q8(const Kernels& kernels, int64_t block, const float* src, int64_t rows, int64_t n,
+                             float* dst, ThreadPool* threads) {
   parallel_for(threads, rows, [&](int64_t r) {
-    quantise_act_q8(src + r * n, n, reinterpret_cast<ActQ8*>(dst + r * n), kernels.simd_quantise);
+    if (block == ActQ8K::kValues)
+      quantise_act_q8k(src + r * n, n, reinterpret_cast<ActQ8K*>(dst + r * n), kernels.simd_quantise);
+    else
+      quantise_act_q8(src + r * n, n, reinterpret_cast<ActQ8*>(dst + r * n), kernels.simd_quantise);
   });
 }
 

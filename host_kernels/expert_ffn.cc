@@ -266,12 +266,12 @@ void down_task_amx(const Call& c, const PackedPairs& h, AmxTiles kind, int64_t d
   }
 }
 
-// One part's activations as its tiles take them: floats as given (the bf16 kinds) or ActQ8
-// rows (the int8 kinds; for Q8_0 the exact path's bytes), in `scratch` then.
+// One part's activations as its tiles take them: floats as given (the bf16 kinds) or ActQ8 /
+// ActQ8K rows (the int8 kinds: the exact path's bytes), in `scratch` then.
 const float* part_input(const Kernels& kernels, AmxTiles kind, const float* src, int64_t rows, int64_t n,
                         AlignedFloats* scratch, ThreadPool* threads) {
-  if (!int8_tiles(kind)) return src;
-  quantise_rows_q8(kernels, src, rows, n, scratch->data(), threads);
+  if (int8_act_block(kind) == 0) return src;
+  quantise_rows_q8(kernels, int8_act_block(kind), src, rows, n, scratch->data(), threads);
   return scratch->data();
 }
 
@@ -280,8 +280,8 @@ void expert_ffn_amx(const Kernels& kernels, Call& call, PartTiles tiles, ThreadP
   const PoolView& pool = call.pool;
   const Routing& routing = call.routing;
   const int64_t U = routing.experts.size(), T = call.batch.num_tokens, P = routing.token.size();
-  AlignedFloats x_q(int8_tiles(tiles.gate_up) ? T * pool.d_model : 0);
-  AlignedFloats h_q(int8_tiles(tiles.down) ? P * pool.d_ff : 0);
+  AlignedFloats x_q(int8_act_block(tiles.gate_up) ? T * pool.d_model : 0);
+  AlignedFloats h_q(int8_act_block(tiles.down) ? P * pool.d_ff : 0);
   const float* x_rows = part_input(kernels, tiles.gate_up, call.batch.x, T, pool.d_model, &x_q, threads);
   PackedPairs x(routing, pool.d_model, tiles.gate_up);
   parallel_for(threads, U, [&](int64_t u) {

@@ -3,22 +3,25 @@
 // Lake). One vpdpbusd adds 64 byte products (4 into each of 16 int32 lanes) where the bf16
 // vector form's vdpbf16ps adds 32, at the same rate on Zen 4 (3.6 G a second a core).
 //
-// Layout, lanes = tokens (as the bf16 vector form): a packed step of 16 tokens holds one
-// 32-value ActQ8 block of each, row r = the 16 tokens' q[4r .. 4r + 3] (one zmm of signed
-// bytes), then per token d, d * sum(q) and the sums the weights' offsets need. A pass's
-// weight rows are unpacked once into unsigned bytes u (vpdpbusd multiplies an unsigned
-// byte by a signed one), w = scale * (u - offset) + min per group of values:
+// Layout, lanes = tokens (as the bf16 vector form): tokens packed 16 at a time, row p of a
+// packed step = the 16 tokens' q[4p .. 4p + 3] (one zmm of signed bytes), then per token
+// its scale d and the sums the weights' offsets and mins need. Q8_0 meets ActQ8 (a step:
+// one 32-value block), the K formats ActQ8K (a step: one 256-value super-block), the
+// activations the exact kernels use. A pass's weight rows are unpacked once into unsigned
+// bytes u (vpdpbusd multiplies an unsigned byte by a signed one), w = scale * (u - offset)
+// + min per group of values:
 //   Q8_0   u = q + 128, offset 128, scale d              (32 values a group)
 //   Q4_K   u = the nibble, offset 0, scale d sc_j, min -dmin m_j
 //   Q6_K   u = q (0..63), offset 32, scale d sc_g        (16 values a group)
-// Four bytes of a row are broadcast per vpdpbusd; a group's int32 sums start from the
-// tokens' -offset * sum(q_x) over the group (from the pack), so each ends as
-// sum((u - offset) * q_x): for Q8_0 exactly the exact path's integer block sum. Then per
-// 32-value block, in float, y += d_x * sum_groups(scale * isum) + min * (d_x * sum q_x).
-// Q8_0 is thus the exact path's arithmetic up to float summation order; Q4_K and Q6_K meet
-// ActQ8 (a scale per 32 values) where the exact kernels use ActQ8K (per 256, llama.cpp's
-// Q8_K). Availability (`int8_vector_status`): CPUID names AVX512-VNNI and BW, and a small
-// product of each format equals a reference on the same bytes.
+// Four bytes of a row are broadcast per vpdpbusd; a group's int32 sum starts from the
+// tokens' -offset * sum(q_x) over the group (from the pack), so it ends as
+// sum((u - offset) * q_x), the exact kernels' integer sum. In float:
+//   Q8_0   y += d_x * (d * isum)                                    per 32-value block
+//   K      t += scale * isum per group (+ min * sum q_x per Q4_K sub-block); y += d_x * t
+//          per super-block
+// so every format gives the exact path's numbers up to float summation order.
+// Availability (`int8_vector_status`): CPUID names AVX512-VNNI and BW, and a small product
+// of each format equals a reference on the same bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -139,8 +142,7 @@ bool int8_vector_takes(WeightType w) {
 }
 
 // Block of 16 tokens, K / 32 steps: row r, column j = q_j[4r .. 4r + 3], then per token
-// (16 lanes each) d, d * sum(q) and the int32 starts: -128 * sum(q), -32 * sum(q[0..15]),
-// -32 * sum(q[16..31]). Padding tokens: zeros.
+// (16 lanes each) d and the int32 start -128 * sum(q). Padding tokens: zeros.
 void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
   const int64_t nb = K / kQuantBlock;
   for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
@@ -148,20 +150,45 @@ void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uin
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* q = block + b * kInt8VectorStepBytes;
       float* d = reinterpret_cast<float*>(q + 8 * 64);
-      int32_t* start = reinterpret_cast<int32_t*>(d + 2 * kAmxRows);
+      int32_t* start = reinterpret_cast<int32_t*>(d + kAmxRows);
       for (int64_t j = 0; j < kAmxRows; ++j) {
         const ActQ8* a = j0 + j < n ? vecs[j0 + j] + b : nullptr;
-        int32_t half[2] = {0, 0};
+        int32_t sum = 0;
         for (int i = 0; i < kQuantBlock; ++i) {
           const int8_t v = a != nullptr ? a->qs[i] : 0;
-          half[i / 16] += v;
+          sum += v;
           q[i / 4 * 64 + 4 * j + i % 4] = static_cast<uint8_t>(v);
         }
         d[j] = a != nullptr ? a->d : 0.f;
-        d[kAmxRows + j] = d[j] * static_cast<float>(half[0] + half[1]);
-        start[j] = -128 * (half[0] + half[1]);
-        start[kAmxRows + j] = -32 * half[0];
-        start[2 * kAmxRows + j] = -32 * half[1];
+        start[j] = -128 * sum;
+      }
+    }
+  }
+}
+
+// Block of 16 tokens, K / 256 steps: rows p < 64 of 16 tokens' q[4p .. 4p + 3], then per
+// token d, the 8 sub-blocks' sum(q) as floats (Q4_K's mins), and the 16 groups' -32 *
+// sum(q) as int32 (Q6_K's offset; ActQ8K's bsums). Padding tokens: zeros.
+void int8_vector_k_pack(const ActQ8K* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
+  constexpr int64_t kSub = ActQ8K::kValues / kQuantBlock, kGroups = ActQ8K::kValues / 16;
+  const int64_t nsb = K / ActQ8K::kValues;
+  for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
+    uint8_t* block = packed + j0 / kAmxRows * nsb * kInt8VectorKStepBytes;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      uint8_t* q = block + sb * kInt8VectorKStepBytes;
+      float* d = reinterpret_cast<float*>(q + 64 * 64);
+      float* sums = d + kAmxRows;                                   // [8 sub-blocks][16 tokens]
+      int32_t* start = reinterpret_cast<int32_t*>(sums + kSub * kAmxRows);  // [16 groups][16 tokens]
+      for (int64_t j = 0; j < kAmxRows; ++j) {
+        const ActQ8K* a = j0 + j < n ? vecs[j0 + j] + sb : nullptr;
+        for (int p = 0; p < 64; ++p) {
+          if (a != nullptr) std::memcpy(q + p * 64 + 4 * j, a->qs + 4 * p, 4);
+          else std::memset(q + p * 64 + 4 * j, 0, 4);
+        }
+        d[j] = a != nullptr ? a->d : 0.f;
+        for (int64_t s = 0; s < kSub; ++s)
+          sums[s * kAmxRows + j] = a != nullptr ? static_cast<float>(a->bsums[2 * s] + a->bsums[2 * s + 1]) : 0.f;
+        for (int64_t g = 0; g < kGroups; ++g) start[g * kAmxRows + j] = a != nullptr ? -32 * a->bsums[g] : 0;
       }
     }
   }
@@ -254,42 +281,53 @@ FTJAX_VNNI void pack_simd(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* q = block + b * kInt8VectorStepBytes;
       float* d = reinterpret_cast<float*>(q + 8 * 64);
-      int32_t* start = reinterpret_cast<int32_t*>(d + 2 * kAmxRows);
+      int32_t* start = reinterpret_cast<int32_t*>(d + kAmxRows);
       for (int64_t j = 0; j < kAmxRows; ++j) {
         if (j >= nj) {
           for (int r = 0; r < 8; ++r) std::memset(q + r * 64 + 4 * j, 0, 4);
-          d[j] = d[kAmxRows + j] = 0.f;
-          start[j] = start[kAmxRows + j] = start[2 * kAmxRows + j] = 0;
+          d[j] = 0.f;
+          start[j] = 0;
           continue;
         }
         const ActQ8& a = vecs[j0 + j][b];
         for (int r = 0; r < 8; ++r) std::memcpy(q + r * 64 + 4 * j, a.qs + 4 * r, 4);
-        int32_t half[2];
+        int32_t sum = 0;
         for (int h = 0; h < 2; ++h) {  // sum of 16 signed bytes: unsigned sums of q + 128, less 16 * 128
           const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.qs + 16 * h));
           const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), _mm_setzero_si128());
-          half[h] = _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
+          sum += _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
         }
         d[j] = a.d;
-        d[kAmxRows + j] = a.d * static_cast<float>(half[0] + half[1]);
-        start[j] = -128 * (half[0] + half[1]);
-        start[kAmxRows + j] = -32 * half[0];
-        start[2 * kAmxRows + j] = -32 * half[1];
+        start[j] = -128 * sum;
       }
     }
   }
 }
 
-// ---- the pass: kRows weight rows x one or two token blocks at a time -------------------------
+// ---- the passes: kRows weight rows x one or two token blocks at a time ----------------------
 
-// out[m * out_stride + j] for the pass's nr rows (a multiple of kRows) and the token block(s)
-// at b (two: block_bytes apart), weights of format F.
-template <WeightType F, bool kTwoTokenBlocks>
-FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64_t block_bytes, float* out,
+// isum[m][j] += 4-byte dots of weight row m (its bytes at u + 32 m) with token block j's
+// packed row x + j * block_bytes: one vpdpbusd per (row, token block).
+template <int kRows, int kBlocks>
+FTJAX_VNNI_INLINE void dot_step(__m512i (&isum)[kRows][kBlocks], const uint8_t* x, int64_t block_bytes,
+                                const uint8_t* u) {
+  __m512i xs[kBlocks];
+  for (int j = 0; j < kBlocks; ++j) xs[j] = _mm512_loadu_si512(x + j * block_bytes);
+  for (int m = 0; m < kRows; ++m) {
+    int32_t four;
+    std::memcpy(&four, u + m * kQuantBlock, 4);
+    const __m512i w = _mm512_set1_epi32(four);
+    for (int j = 0; j < kBlocks; ++j) isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], w, xs[j]);
+  }
+}
+
+// Q8_0: out[m * out_stride + j] for the pass's nr rows (a multiple of kRows) and the token
+// block(s) at b (two: block_bytes apart), one 32-value block a step.
+template <bool kTwoTokenBlocks>
+FTJAX_VNNI void q8_0_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64_t block_bytes, float* out,
                           int64_t out_stride) {
   constexpr int kRows = 4, kBlocks = kTwoTokenBlocks ? 2 : 1;
-  constexpr int kGroups = F == WeightType::kQ6_K ? 2 : 1, kSteps = 8 / kGroups;
-  const int64_t nb = w.K / kQuantBlock, groups = nb * kGroups;
+  const int64_t nb = w.K / kQuantBlock;
   for (int64_t m0 = 0; m0 < nr; m0 += kRows) {
     __m512 acc[kRows][kBlocks];
     for (int m = 0; m < kRows; ++m)
@@ -297,48 +335,79 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
     for (int64_t blk = 0; blk < nb; ++blk) {
       const uint8_t* step = b + blk * kInt8VectorStepBytes;
       const uint8_t* wu = w.u.data() + (blk * kAmxPass + m0) * kQuantBlock;
-      __m512 t[kRows][kBlocks];
-#pragma GCC unroll 2
-      for (int gi = 0; gi < kGroups; ++gi) {
-        const float* scale = w.scale.data() + m0 * groups + blk * kGroups + gi;  // row m's at + m * groups
-        __m512i isum[kRows][kBlocks];
-        for (int j = 0; j < kBlocks; ++j) {
-          // the tokens' -offset * sum(q_x) over the group (Q4_K: no offset)
-          const uint8_t* starts = step + j * block_bytes + 8 * 64 + 2 * 64;
-          const __m512i start = F == WeightType::kQ4_K ? _mm512_setzero_si512()
-                                : F == WeightType::kQ8_0 ? _mm512_loadu_si512(starts)
-                                                         : _mm512_loadu_si512(starts + 64 * (1 + gi));
-          for (int m = 0; m < kRows; ++m) isum[m][j] = start;
-        }
+      __m512i isum[kRows][kBlocks];
+      for (int j = 0; j < kBlocks; ++j) {  // the tokens' -128 * sum(q_x)
+        const __m512i start = _mm512_loadu_si512(step + j * block_bytes + 8 * 64 + 64);
+        for (int m = 0; m < kRows; ++m) isum[m][j] = start;
+      }
 #pragma GCC unroll 8
-        for (int s = 0; s < kSteps; ++s) {
-          const int p = gi * kSteps + s;
-          __m512i x[kBlocks];
-          for (int j = 0; j < kBlocks; ++j) x[j] = _mm512_loadu_si512(step + j * block_bytes + p * 64);
+      for (int p = 0; p < 8; ++p) dot_step(isum, step + p * 64, block_bytes, wu + 4 * p);
+      for (int j = 0; j < kBlocks; ++j) {
+        const __m512 dx = _mm512_loadu_ps(reinterpret_cast<const float*>(step + j * block_bytes + 8 * 64));
+        for (int m = 0; m < kRows; ++m) {
+          const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m][j]), _mm512_set1_ps(w.scale[(m0 + m) * nb + blk]));
+          acc[m][j] = _mm512_fmadd_ps(scaled, dx, acc[m][j]);
+        }
+      }
+    }
+    for (int m = 0; m < kRows; ++m)
+      for (int j = 0; j < kBlocks; ++j) _mm512_storeu_ps(out + (m0 + m) * out_stride + j * kAmxRows, acc[m][j]);
+  }
+}
+
+// Q4_K (F) or Q6_K: as q8_0_pass, one 256-value super-block a step: per group the int32 sum
+// scaled into a super-block accumulator t (Q4_K: the mins too), then one FMA by d_x.
+template <WeightType F, bool kTwoTokenBlocks>
+FTJAX_VNNI void k_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64_t block_bytes, float* out,
+                       int64_t out_stride) {
+  constexpr int kRows = 4, kBlocks = kTwoTokenBlocks ? 2 : 1;
+  constexpr int kGroups = F == WeightType::kQ6_K ? 2 : 1, kSteps = 8 / kGroups;  // per 32 values
+  constexpr int64_t kSub = ActQ8K::kValues / kQuantBlock;
+  const int64_t nsb = w.K / ActQ8K::kValues, nb = w.K / kQuantBlock, groups = nb * kGroups;
+  for (int64_t m0 = 0; m0 < nr; m0 += kRows) {
+    __m512 acc[kRows][kBlocks];
+    for (int m = 0; m < kRows; ++m)
+      for (int j = 0; j < kBlocks; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* step = b + sb * kInt8VectorKStepBytes;
+      const uint8_t* tail = step + 64 * 64;  // d, the sub-block sums, the group starts
+      __m512 t[kRows][kBlocks];
+      for (int m = 0; m < kRows; ++m)
+        for (int j = 0; j < kBlocks; ++j) t[m][j] = _mm512_setzero_ps();
+      for (int64_t s = 0; s < kSub; ++s) {
+        const int64_t blk = sb * kSub + s;
+        const uint8_t* wu = w.u.data() + (blk * kAmxPass + m0) * kQuantBlock;
+#pragma GCC unroll 2
+        for (int gi = 0; gi < kGroups; ++gi) {
+          __m512i isum[kRows][kBlocks];
+          for (int j = 0; j < kBlocks; ++j) {  // Q6_K: the tokens' -32 * sum(q_x) over the group
+            const __m512i start =
+                F == WeightType::kQ6_K
+                    ? _mm512_loadu_si512(tail + j * block_bytes + (1 + kSub + s * kGroups + gi) * 64)
+                    : _mm512_setzero_si512();
+            for (int m = 0; m < kRows; ++m) isum[m][j] = start;
+          }
+#pragma GCC unroll 8
+          for (int st = 0; st < kSteps; ++st) {
+            const int p = gi * kSteps + st;
+            dot_step(isum, step + (s * 8 + p) * 64, block_bytes, wu + 4 * p);
+          }
           for (int m = 0; m < kRows; ++m) {
-            int32_t four;
-            std::memcpy(&four, wu + m * kQuantBlock + 4 * p, 4);
-            const __m512i u = _mm512_set1_epi32(four);
-            for (int j = 0; j < kBlocks; ++j) isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], u, x[j]);
+            const __m512 sc = _mm512_set1_ps(w.scale[(m0 + m) * groups + blk * kGroups + gi]);
+            for (int j = 0; j < kBlocks; ++j) t[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][j]), sc, t[m][j]);
           }
         }
-        for (int m = 0; m < kRows; ++m) {
-          const __m512 sc = _mm512_set1_ps(scale[m * groups]);
+        if constexpr (F == WeightType::kQ4_K) {
           for (int j = 0; j < kBlocks; ++j) {
-            const __m512 f = _mm512_cvtepi32_ps(isum[m][j]);
-            t[m][j] = gi == 0 ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, t[m][j]);
+            const __m512 sums = _mm512_loadu_ps(reinterpret_cast<const float*>(tail + j * block_bytes + (1 + s) * 64));
+            for (int m = 0; m < kRows; ++m)
+              t[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(w.min[(m0 + m) * nb + blk]), sums, t[m][j]);
           }
         }
       }
       for (int j = 0; j < kBlocks; ++j) {
-        const float* d = reinterpret_cast<const float*>(step + j * block_bytes + 8 * 64);
-        const __m512 dx = _mm512_loadu_ps(d);
+        const __m512 dx = _mm512_loadu_ps(reinterpret_cast<const float*>(tail + j * block_bytes));
         for (int m = 0; m < kRows; ++m) acc[m][j] = _mm512_fmadd_ps(t[m][j], dx, acc[m][j]);
-        if constexpr (F == WeightType::kQ4_K) {
-          const __m512 sx = _mm512_loadu_ps(d + kAmxRows);
-          for (int m = 0; m < kRows; ++m)
-            acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(w.min[(m0 + m) * nb + blk]), sx, acc[m][j]);
-        }
       }
     }
     for (int m = 0; m < kRows; ++m)
@@ -349,10 +418,16 @@ FTJAX_VNNI void int8_pass(const Int8Rows& w, int64_t nr, const uint8_t* b, int64
 template <bool kTwo>
 void pass_for(const Int8Rows& w, int64_t nr, const uint8_t* b, int64_t block_bytes, float* out, int64_t out_stride) {
   switch (w.format) {
-    case WeightType::kQ6_K: int8_pass<WeightType::kQ6_K, kTwo>(w, nr, b, block_bytes, out, out_stride); return;
-    case WeightType::kQ4_K: int8_pass<WeightType::kQ4_K, kTwo>(w, nr, b, block_bytes, out, out_stride); return;
-    default: int8_pass<WeightType::kQ8_0, kTwo>(w, nr, b, block_bytes, out, out_stride); return;
+    case WeightType::kQ6_K: k_pass<WeightType::kQ6_K, kTwo>(w, nr, b, block_bytes, out, out_stride); return;
+    case WeightType::kQ4_K: k_pass<WeightType::kQ4_K, kTwo>(w, nr, b, block_bytes, out, out_stride); return;
+    default: q8_0_pass<kTwo>(w, nr, b, block_bytes, out, out_stride); return;
   }
+}
+
+// Bytes of one token block's packed steps over K, for weights of type w.
+int64_t packed_block_bytes(WeightType w, int64_t K) {
+  return w == WeightType::kQ8_0 ? K / kQuantBlock * kInt8VectorStepBytes
+                                : K / ActQ8K::kValues * kInt8VectorKStepBytes;
 }
 
 // Whether the pass's rows of the tagged type hold both Q4_K and Q6_K blocks (one layer of a
@@ -370,19 +445,19 @@ bool mixed_tags(WeightType w, const char* rows, int64_t row_bytes, int64_t nr, i
 // tokens' q * d. Slow and rare (see mixed_tags); the same result up to the bf16 rounding.
 void mixed_pass(WeightType w, const char* rows, int64_t row_bytes, int64_t nr, const uint8_t* packed, int64_t blocks,
                 int64_t K, float* out, int64_t out_stride) {
-  const int64_t nb = K / kQuantBlock, block_bytes = nb * kInt8VectorStepBytes;
+  constexpr int64_t kN = ActQ8K::kValues;
+  const int64_t nsb = K / kN, block_bytes = packed_block_bytes(w, K);
   std::vector<uint16_t> row(K);
   for (int64_t r = 0; r < nr; ++r) {
     dequant_bf16(w, rows + r * row_bytes, K, row.data(), kQuantBlock);
     for (int64_t j = 0; j < blocks * kAmxRows; ++j) {
       float sum = 0;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* step = packed + j / kAmxRows * block_bytes + b * kInt8VectorStepBytes;
-        const float d = reinterpret_cast<const float*>(step + 8 * 64)[j % kAmxRows];
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* step = packed + j / kAmxRows * block_bytes + sb * kInt8VectorKStepBytes;
+        const float d = reinterpret_cast<const float*>(step + 64 * 64)[j % kAmxRows];
         float part = 0;
-        for (int64_t i = 0; i < kQuantBlock; ++i)
-          part += weight_at(row.data(), b * kQuantBlock + i) *
-                  static_cast<int8_t>(step[i / 4 * 64 + 4 * (j % kAmxRows) + i % 4]);
+        for (int64_t i = 0; i < kN; ++i)
+          part += weight_at(row.data(), sb * kN + i) * static_cast<int8_t>(step[i / 4 * 64 + 4 * (j % kAmxRows) + i % 4]);
         sum += d * part;
       }
       out[r * out_stride + j] = sum;
@@ -390,17 +465,20 @@ void mixed_pass(WeightType w, const char* rows, int64_t row_bytes, int64_t nr, c
   }
 }
 
-// Reference of one product element: the scalar unpacking's values, in double.
-double reference(const Int8Rows& w, int64_t r, const ActQ8* x, double* mag) {
+// Reference of one product element: the scalar unpacking's values against the token's
+// int8 activations x (ActQ8 or ActQ8K blocks), in double.
+template <typename Act>
+double reference(const Int8Rows& w, int64_t r, const Act* x, double* mag) {
   double sum = 0;
   *mag = 0;
   for (int64_t b = 0; b < w.K / kQuantBlock; ++b) {
     for (int64_t i = 0; i < kQuantBlock; ++i) {
-      const int64_t g = (b * kQuantBlock + i) / w.group();
+      const int64_t k = b * kQuantBlock + i, g = k / w.group();
       const int level = w.u[(b * kAmxPass + r) * kQuantBlock + i] - w.offset();
       double v = static_cast<double>(w.scale[r * (w.K / w.group()) + g]) * level;
       if (w.format == WeightType::kQ4_K) v += w.min[r * (w.K / kQuantBlock) + b];
-      const double p = v * x[b].d * x[b].qs[i];
+      const Act& a = x[k / Act::kValues];
+      const double p = v * a.d * a.qs[k % Act::kValues];
       sum += p;
       *mag += std::fabs(p);
     }
@@ -425,15 +503,27 @@ std::string check_format(WeightType f) {
   std::vector<float> x(N * K);
   for (int64_t i = 0; i < N * K; ++i) x[i] = std::cos(0.11f * i + 0.3f) * (1 + i % 5);
   std::vector<ActQ8> acts(N * K / kQuantBlock);
+  std::vector<ActQ8K> acts_k(N * K / ActQ8K::kValues);
   quantise_act_q8(x.data(), N * K, acts.data(), false);
+  quantise_act_q8k(x.data(), N * K, acts_k.data(), false);
   std::vector<const ActQ8*> vecs(N);
-  for (int64_t j = 0; j < N; ++j) vecs[j] = acts.data() + j * K / kQuantBlock;
-  std::vector<uint8_t> packed(int8_vector_packed_bytes(N, K) + 64), scalar(int8_vector_packed_bytes(N, K));
+  std::vector<const ActQ8K*> vecs_k(N);
+  for (int64_t j = 0; j < N; ++j) {
+    vecs[j] = acts.data() + j * K / kQuantBlock;
+    vecs_k[j] = acts_k.data() + j * K / ActQ8K::kValues;
+  }
+  const bool k_format = f != WeightType::kQ8_0;
+  const int64_t bytes = k_format ? int8_vector_k_packed_bytes(N, K) : int8_vector_packed_bytes(N, K);
+  std::vector<uint8_t> packed(bytes + 64), scalar(bytes);
   uint8_t* aligned = packed.data() + (-reinterpret_cast<intptr_t>(packed.data()) & 63);
-  int8_vector_pack(vecs.data(), N, K, aligned);
-  int8_vector_pack_scalar(vecs.data(), N, K, scalar.data());
-  if (std::memcmp(aligned, scalar.data(), scalar.size()) != 0)
-    return "the self-check's packed activations differ from the scalar packing";
+  if (k_format) {
+    int8_vector_k_pack(vecs_k.data(), N, K, aligned);
+  } else {
+    int8_vector_pack(vecs.data(), N, K, aligned);
+    int8_vector_pack_scalar(vecs.data(), N, K, scalar.data());
+    if (std::memcmp(aligned, scalar.data(), scalar.size()) != 0)
+      return "the self-check's packed activations differ from the scalar packing";
+  }
   const int64_t blocks = (N + kAmxRows - 1) / kAmxRows, stride = blocks * kAmxRows;
   std::vector<float> out(R * stride);
   int8_vector_dots(f, rows.data(), row_bytes, R, aligned, blocks, K, out.data(), stride);
@@ -447,7 +537,7 @@ std::string check_format(WeightType f) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < N; ++j) {
       double mag;
-      const double want = reference(ref, r, vecs[j], &mag);
+      const double want = k_format ? reference(ref, r, vecs_k[j], &mag) : reference(ref, r, vecs[j], &mag);
       if (std::fabs(out[r * stride + j] - want) > 1e-5 * mag + 1e-6)
         return std::string("the self-check product differs from the reference (") + name + ", row " +
                std::to_string(r) + ", token " + std::to_string(j) + ": " + std::to_string(out[r * stride + j]) +
@@ -478,7 +568,7 @@ void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* p
 
 void int8_vector_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed,
                       int64_t blocks, int64_t K, float* out, int64_t out_stride) {
-  const int64_t block_bytes = K / kQuantBlock * kInt8VectorStepBytes;
+  const int64_t block_bytes = packed_block_bytes(w, K);
   const char* base = static_cast<const char*>(rows);
   thread_local Int8Rows pass;
   for (int64_t r0 = 0; r0 < num_rows; r0 += kAmxPass) {

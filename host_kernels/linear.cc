@@ -71,9 +71,9 @@ void linear_task_amx(const DenseView& w, AmxTiles kind, const uint8_t* packed, i
 void linear_amx(const Kernels& kernels, const DenseView& w, AmxTiles kind, const float* x, int64_t num_tokens,
                 float* y, ThreadPool* threads) {
   const int64_t K = w.cols;
-  AlignedFloats x_q(int8_tiles(kind) ? num_tokens * K : 0);
-  if (int8_tiles(kind)) {
-    quantise_rows_q8(kernels, x, num_tokens, K, x_q.data(), threads);
+  AlignedFloats x_q(int8_act_block(kind) ? num_tokens * K : 0);
+  if (int8_act_block(kind)) {
+    quantise_rows_q8(kernels, int8_act_block(kind), x, num_tokens, K, x_q.data(), threads);
     x = x_q.data();
   }
   const int64_t blocks = ceil_div(num_tokens, kAmxRows), block_bytes = amx_packed_bytes(kind, kAmxRows, K);

@@ -343,11 +343,14 @@ def k_pool(rng, dtype, num_layers, num_experts, d_model, d_ff):
 def test_k_format_tiles_match_the_widening_reference(isa, threads, dtype, d_model, d_ff, num_tokens, top_k):
     """Q4_K / Q6_K experts on the tiles: the weights widened to bf16 and the activations
     rounded to bf16 (the numpy reference does the same); further from the exact path's
-    int8 activations than from that reference."""
+    int8 activations than from that reference. In the int8 vector form: the exact path's
+    int8 activations and sums, so its numbers up to float order (h quantised from sums in
+    another order may move one int8 step, as for Q8_0)."""
     rng = np.random.default_rng(d_model + d_ff + num_tokens)
     pool = k_pool(rng, dtype, 2, 6, d_model, d_ff)
     x, ids, weights = make_batch(rng, num_tokens, top_k, d_model, pool.num_experts)
     assert takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype)
+    int8 = host.tile_kind("q4_k", isa) == "int8_vector"
     executor = HostExecutor(pool, threads=threads, isa=isa)
     for layer in range(pool.num_layers):
         y = executor.expert_ffn_numpy(x, layer, ids, weights)
@@ -355,20 +358,21 @@ def test_k_format_tiles_match_the_widening_reference(isa, threads, dtype, d_mode
         scale = max(1.0, float(np.abs(ref).max()))
         # as for bf16 experts: h rounded to bf16 from f32 sums here, f64 there (each y sums
         # F * K of them: a few percent of the outputs carry one such step)
-        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-3 * scale)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=(2e-3 if int8 else 1e-3) * scale)
         assert np.mean(np.abs(y - ref) > 2e-5 * scale) < 0.05
-        exact = host.reference_expert_ffn(pool.gate_up, pool.down, layer, x, ids, weights, dtype)
-        assert np.abs(y - exact).max() > np.abs(y - ref).max()
+        if not int8:
+            exact = host.reference_expert_ffn(pool.gate_up, pool.down, layer, x, ids, weights, dtype)
+            assert np.abs(y - exact).max() > np.abs(y - ref).max()
 
 
 @needs_widening
 @pytest.mark.parametrize("isa", TILE_ISAS)
 def test_k_format_tiles_are_closer_to_the_float_model_than_int8_activations(isa):
     """What "fast" trades for Q4_K / Q6_K experts: bf16 activations (2^-9 relative) on the
-    bf16 tiles, int8 per 32 values in the int8 vector form, where the exact kernels quantise
-    them to int8 per 256 values (llama.cpp's Q8_K). Against the dequantised weights times
-    the f32 activations, the tiles are the closer of the two (bf16: by 2x and more; int8
-    per 32: by ~1.3x)."""
+    bf16 tiles, where the exact kernels quantise them to int8 per 256 values (llama.cpp's
+    Q8_K). Against the dequantised weights times the f32 activations, the tiles are the
+    closer of the two, by 2x and more. The int8 vector form trades nothing: it multiplies
+    the exact path's int8 activations, so its error is the exact path's."""
     rng = np.random.default_rng(23)
     pool = k_pool(rng, "q4_k/q6_k", 1, 4, 256, 256)
     x, ids, weights = make_batch(rng, 32, 2, 256, 4)
@@ -379,8 +383,10 @@ def test_k_format_tiles_are_closer_to_the_float_model_than_int8_activations(isa)
         truth[t] += weights[t, k] * (down @ (gate / (1 + np.exp(-gate)) * up))
     err = {i: np.abs(HostExecutor(pool, threads=2, isa=i).expert_ffn_numpy(x, 0, ids, weights) - truth).max()
            for i in (isa, Isa.AUTO)}
-    margin = 1 if host.tile_kind("q4_k", isa) == "int8_vector" else 2
-    assert err[isa] < err[Isa.AUTO] / margin, err
+    if host.tile_kind("q4_k", isa) == "int8_vector":
+        assert abs(err[isa] - err[Isa.AUTO]) < 0.02 * err[Isa.AUTO], err
+    else:
+        assert err[isa] < err[Isa.AUTO] / 2, err
 
 
 @needs_widening
