@@ -211,7 +211,8 @@ def isa_report() -> dict[str, str | int]:
     GEMV prefetches into L2."""
     return {"auto": auto_isa().name.lower(), "amx_bf16": amx_bf16_status() or "ok",
             "amx_int8": amx_int8_status() or "ok", "bf16_vector": bf16_vector_status() or "ok",
-            "int8_vector": int8_vector_status() or "ok", "fast": expert_isa("fast").name.lower(), "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
+            "int8_vector": int8_vector_status() or "ok", "fast": expert_isa("fast").name.lower(),
+            "gemv_prefetch_bytes": _hk.gemv_prefetch_bytes()}
 
 
 def takes_amx_tiles(isa: Isa, num_tokens: int, d_model: int, d_ff: int, dtype: str) -> bool:
@@ -229,7 +230,8 @@ def tile_kind(dtype: str, isa: Isa) -> str | None:
     Q4_K-or-Q6_K, Q8_0; activations rounded to bf16; on AMX or in the vector form), "int8"
     (Q8_0 under AMX_BF16 where AMX-INT8 passed its self-check: the exact path's int8 sums),
     "int8_vector" (Q8_0, Q4_K, Q6_K, Q4_K-or-Q6_K under AVX512_BF16_TILES where the int8
-    vector form passed its self-check: the exact path's int8 activations and sums), or None (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
+    vector form passed its self-check: the exact path's int8 activations and sums), or None
+    (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
     return _hk.amx_tile_kind(resolve_isa(isa).value, WEIGHT_TYPE_CODES[dtype]) or None
 
 
@@ -433,8 +435,7 @@ def reference_linear(x: np.ndarray, w: np.ndarray, wtype: str | None = None, isa
     x = np.asarray(x, np.float32)
     w32 = fmt.to_f32_numpy(np.asarray(w)).reshape(w.shape[0], -1)
     tiles = linear_takes_tiles(isa, len(x), w32.shape[0], w32.shape[1], fmt.name)
-    kind = tile_kind(fmt.name, isa) if tiles else None
-    if kind == "bf16":
+    if tiles and tile_kind(fmt.name, isa) == "bf16":
         x, w32 = round_to_bf16(x), round_to_bf16(w32)
     elif fmt.act_block:  # the exact kernels', the int8 tiles' and their vector form's int8 activations
         x = fmt.act_numpy(x)

@@ -72,12 +72,12 @@ bool pack_simd(const float* const* vecs, int64_t n, int64_t K, uint32_t* packed)
 
 // The tile configuration of this thread for the lifetime of the scope (LDTILECFG ...
 // TILERELEASE). Every amx_dots call on tiles runs inside a kBf16 scope, every amx_q8_dots
-// call inside a kInt8 one (their tiles have other shapes); a kBf16Vector scope does nothing.
+// call inside a kInt8 one (their tiles have other shapes); a vector form's scope does nothing.
 enum class AmxTiles { kBf16, kInt8, kBf16Vector, kInt8Vector, kInt8VectorK };
-// Values per int8 activation block `kind` multiplies (ActQ8: 32; the K formats' vector
-// form ActQ8K: 256), 0 for the bf16 kinds (floats).
-inline int64_t int8_act_block(AmxTiles kind) {
-  return kind == AmxTiles::kInt8VectorK ? 256 : kind == AmxTiles::kInt8 || kind == AmxTiles::kInt8Vector ? 32 : 0;
+// Whether `kind` multiplies int8 activations — the exact kernels' own (ActQ8 or ActQ8K by
+// weight type: prepare_rows) — rather than floats.
+inline bool int8_tiles(AmxTiles kind) {
+  return kind == AmxTiles::kInt8 || kind == AmxTiles::kInt8Vector || kind == AmxTiles::kInt8VectorK;
 }
 class AmxScope {
  public:
@@ -162,9 +162,7 @@ inline int64_t int8_vector_k_packed_bytes(int64_t n, int64_t K) {
 // vecs[j] (K / 32 ActQ8 blocks) for j < n -> packed (16-token blocks of K / 32 steps:
 // the q as 8 rows of 16 tokens x 4, then per token d and -128 sum q); padding tokens are
 // zeros.
-// Vector code where the form runs; int8_vector_pack_scalar is its reference.
 void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
-void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed);
 // vecs[j] (K / 256 ActQ8K blocks) for j < n -> packed for the K formats (16-token blocks of
 // K / 256 steps: 64 rows of q, then per token d, the sub-blocks' sum q and -32 times each
 // 16 values' sum).
@@ -189,7 +187,7 @@ bool amx_tiles_for(Isa isa, WeightType w, AmxTiles* kind);
 // int8_vector_packed_bytes or int8_vector_k_packed_bytes).
 int64_t amx_packed_bytes(AmxTiles kind, int64_t n, int64_t K);
 // vecs[j] for j < n -> packed: floats for the bf16 kinds (amx_pack), ActQ8 or ActQ8K rows
-// for the int8 ones (int8_act_block; amx_q8_pack, int8_vector_pack, int8_vector_k_pack).
+// for the int8 ones (int8_tiles; amx_q8_pack, int8_vector_pack, int8_vector_k_pack).
 void amx_pack_tokens(AmxTiles kind, const float* const* vecs, int64_t n, int64_t K, uint8_t* packed);
 // amx_dots, amx_q8_dots or int8_vector_dots, as `kind` says.
 void amx_tile_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows,

@@ -90,18 +90,6 @@ inline void prepare_rows(const Kernels& kernels, WeightType w, const float* src,
   parallel_for(threads, rows, [&](int64_t r) { prepare_activations(kernels, w, src + r * n, 1, n, dst + r * n); });
 }
 
-// dst [rows, n] = each row of src as n / block ActQ8 (block 32) or ActQ8K (block 256)
-// blocks, at the start of its n floats: what the int8 tiles and their vector form read.
-inline void quantise_rows_q8(const Kernels& kernels, int64_t block, const float* src, int64_t rows, int64_t n,
-                             float* dst, ThreadPool* threads) {
-  parallel_for(threads, rows, [&](int64_t r) {
-    if (block == ActQ8K::kValues)
-      quantise_act_q8k(src + r * n, n, reinterpret_cast<ActQ8K*>(dst + r * n), kernels.simd_quantise);
-    else
-      quantise_act_q8(src + r * n, n, reinterpret_cast<ActQ8*>(dst + r * n), kernels.simd_quantise);
-  });
-}
-
 // Tokens per tile: their activations (len floats each) stay in L1/L2 while rows stream.
 inline int64_t vec_tile(int64_t len) {
   const int64_t fit = kVecTileBytes / (len * 4) / kMaxVecs * kMaxVecs;

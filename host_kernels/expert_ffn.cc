@@ -268,10 +268,10 @@ void down_task_amx(const Call& c, const PackedPairs& h, AmxTiles kind, int64_t d
 
 // One part's activations as its tiles take them: floats as given (the bf16 kinds) or ActQ8 /
 // ActQ8K rows (the int8 kinds: the exact path's bytes), in `scratch` then.
-const float* part_input(const Kernels& kernels, AmxTiles kind, const float* src, int64_t rows, int64_t n,
-                        AlignedFloats* scratch, ThreadPool* threads) {
-  if (int8_act_block(kind) == 0) return src;
-  quantise_rows_q8(kernels, int8_act_block(kind), src, rows, n, scratch->data(), threads);
+const float* part_input(const Kernels& kernels, AmxTiles kind, WeightType w, const float* src, int64_t rows,
+                        int64_t n, AlignedFloats* scratch, ThreadPool* threads) {
+  if (!int8_tiles(kind)) return src;
+  prepare_rows(kernels, w, src, rows, n, scratch->data(), threads);
   return scratch->data();
 }
 
@@ -280,16 +280,16 @@ void expert_ffn_amx(const Kernels& kernels, Call& call, PartTiles tiles, ThreadP
   const PoolView& pool = call.pool;
   const Routing& routing = call.routing;
   const int64_t U = routing.experts.size(), T = call.batch.num_tokens, P = routing.token.size();
-  AlignedFloats x_q(int8_act_block(tiles.gate_up) ? T * pool.d_model : 0);
-  AlignedFloats h_q(int8_act_block(tiles.down) ? P * pool.d_ff : 0);
-  const float* x_rows = part_input(kernels, tiles.gate_up, call.batch.x, T, pool.d_model, &x_q, threads);
+  AlignedFloats x_q(int8_tiles(tiles.gate_up) ? T * pool.d_model : 0);
+  AlignedFloats h_q(int8_tiles(tiles.down) ? P * pool.d_ff : 0);
+  const float* x_rows = part_input(kernels, tiles.gate_up, pool.wtype, call.batch.x, T, pool.d_model, &x_q, threads);
   PackedPairs x(routing, pool.d_model, tiles.gate_up);
   parallel_for(threads, U, [&](int64_t u) {
     pack_expert(routing, u, x_rows, pool.d_model, true, tiles.gate_up, x.of(u));
   });
   std::vector<GateUpTask> gate_up = plan_gate_up(pool, U, num_threads, kAmxPass);
   parallel_for(threads, gate_up.size(), [&](int64_t i) { gate_up_task_amx(call, x, tiles.gate_up, gate_up[i]); });
-  const float* h_rows = part_input(kernels, tiles.down, call.h.data(), P, pool.d_ff, &h_q, threads);
+  const float* h_rows = part_input(kernels, tiles.down, pool.down_wtype, call.h.data(), P, pool.d_ff, &h_q, threads);
   PackedPairs h(routing, pool.d_ff, tiles.down);
   parallel_for(threads, U, [&](int64_t u) { pack_expert(routing, u, h_rows, pool.d_ff, false, tiles.down, h.of(u)); });
   const int64_t rows = round_up(plan_down_rows(pool, num_threads), kAmxPass);

@@ -93,19 +93,24 @@ void unpack_scalar(const BlockQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
     }
 }
 
+void unpack_scalar(const BlockQ4_KorQ6_K& b, int64_t b0, RowsOut w, int64_t r) {
+  if (b.tag == BlockQ4_KorQ6_K::kTagQ6_K) unpack_scalar(b.q6, b0, w, r);
+  else unpack_scalar(b.q4, b0, w, r);
+}
+
+template <typename W>
+void row_scalar(const void* row, int64_t K, RowsOut w, int64_t r) {
+  const W* blocks = static_cast<const W*>(row);
+  constexpr int64_t kChunks = W::kWeights / kQuantBlock;
+  for (int64_t b = 0; b < K / W::kWeights; ++b) unpack_scalar(blocks[b], b * kChunks, w, r);
+}
+
 // The format a row of w multiplies as: Q8_0, Q4_K or Q6_K (the tagged type by its first
 // block's tag: a layer's blocks share one).
 WeightType effective(WeightType w, const void* row) {
   if (w != WeightType::kQ4_K_OR_Q6_K) return w;
   return static_cast<const BlockQ4_KorQ6_K*>(row)->tag == BlockQ4_KorQ6_K::kTagQ6_K ? WeightType::kQ6_K
                                                                                     : WeightType::kQ4_K;
-}
-
-template <typename W, typename Get>
-void row_blocks(const void* row, int64_t K, const RowsOut& w, int64_t r, Get get) {
-  const W* blocks = static_cast<const W*>(row);
-  constexpr int64_t kChunks = W::kWeights / kQuantBlock;
-  for (int64_t b = 0; b < K / W::kWeights; ++b) unpack_scalar(get(blocks[b]), b * kChunks, w, r);
 }
 
 // Sizes w for rows of K values of format f (Q8_0, Q4_K or Q6_K).
@@ -121,16 +126,11 @@ void int8_rows_shape(Int8Rows& w, WeightType f, int64_t K) {
 // Row r (< kAmxPass) of w, K values of type w, unpacked by the scalar reference.
 void int8_unpack_scalar(WeightType w, const void* row, int64_t K, Int8Rows& rows, int64_t r) {
   const RowsOut out(rows);
-  const auto same = [](const auto& b) -> const auto& { return b; };
   switch (w) {
-    case WeightType::kQ8_0: row_blocks<BlockQ8_0>(row, K, out, r, same); return;
-    case WeightType::kQ4_K: row_blocks<BlockQ4_K>(row, K, out, r, same); return;
-    case WeightType::kQ6_K: row_blocks<BlockQ6_K>(row, K, out, r, same); return;
-    default:
-      if (effective(w, row) == WeightType::kQ6_K)
-        row_blocks<BlockQ4_KorQ6_K>(row, K, out, r, [](const BlockQ4_KorQ6_K& b) -> const BlockQ6_K& { return b.q6; });
-      else
-        row_blocks<BlockQ4_KorQ6_K>(row, K, out, r, [](const BlockQ4_KorQ6_K& b) -> const BlockQ4_K& { return b.q4; });
+    case WeightType::kQ8_0: row_scalar<BlockQ8_0>(row, K, out, r); return;
+    case WeightType::kQ4_K: row_scalar<BlockQ4_K>(row, K, out, r); return;
+    case WeightType::kQ6_K: row_scalar<BlockQ6_K>(row, K, out, r); return;
+    default: row_scalar<BlockQ4_KorQ6_K>(row, K, out, r); return;
   }
 }
 
@@ -143,7 +143,7 @@ bool int8_vector_takes(WeightType w) {
 
 // Block of 16 tokens, K / 32 steps: row r, column j = q_j[4r .. 4r + 3], then per token
 // (16 lanes each) d and the int32 start -128 * sum(q). Padding tokens: zeros.
-void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
+void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
   const int64_t nb = K / kQuantBlock;
   for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
     uint8_t* block = packed + j0 / kAmxRows * nb * kInt8VectorStepBytes;
@@ -154,11 +154,12 @@ void int8_vector_pack_scalar(const ActQ8* const* vecs, int64_t n, int64_t K, uin
       for (int64_t j = 0; j < kAmxRows; ++j) {
         const ActQ8* a = j0 + j < n ? vecs[j0 + j] + b : nullptr;
         int32_t sum = 0;
-        for (int i = 0; i < kQuantBlock; ++i) {
-          const int8_t v = a != nullptr ? a->qs[i] : 0;
-          sum += v;
-          q[i / 4 * 64 + 4 * j + i % 4] = static_cast<uint8_t>(v);
+        for (int r = 0; r < 8; ++r) {
+          if (a != nullptr) std::memcpy(q + r * 64 + 4 * j, a->qs + 4 * r, 4);
+          else std::memset(q + r * 64 + 4 * j, 0, 4);
         }
+        if (a != nullptr)
+          for (int i = 0; i < kQuantBlock; ++i) sum += a->qs[i];
         d[j] = a != nullptr ? a->d : 0.f;
         start[j] = -128 * sum;
       }
@@ -266,40 +267,6 @@ void unpack_rows(WeightType w, const char* rows, int64_t row_bytes, int64_t nr, 
       case WeightType::kQ4_K: unpack_row<BlockQ4_K>(row, K, out, r); break;
       case WeightType::kQ6_K: unpack_row<BlockQ6_K>(row, K, out, r); break;
       default: unpack_row<BlockQ4_KorQ6_K>(row, K, out, r); break;
-    }
-  }
-}
-
-// ---- packing the tokens (equal to int8_vector_pack_scalar, byte for byte) -------------------
-
-FTJAX_VNNI void pack_simd(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
-  const int64_t nb = K / kQuantBlock;
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-  for (int64_t j0 = 0; j0 < n; j0 += kAmxRows) {
-    uint8_t* block = packed + j0 / kAmxRows * nb * kInt8VectorStepBytes;
-    const int64_t nj = std::min<int64_t>(kAmxRows, n - j0);
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* q = block + b * kInt8VectorStepBytes;
-      float* d = reinterpret_cast<float*>(q + 8 * 64);
-      int32_t* start = reinterpret_cast<int32_t*>(d + kAmxRows);
-      for (int64_t j = 0; j < kAmxRows; ++j) {
-        if (j >= nj) {
-          for (int r = 0; r < 8; ++r) std::memset(q + r * 64 + 4 * j, 0, 4);
-          d[j] = 0.f;
-          start[j] = 0;
-          continue;
-        }
-        const ActQ8& a = vecs[j0 + j][b];
-        for (int r = 0; r < 8; ++r) std::memcpy(q + r * 64 + 4 * j, a.qs + 4 * r, 4);
-        int32_t sum = 0;
-        for (int h = 0; h < 2; ++h) {  // sum of 16 signed bytes: unsigned sums of q + 128, less 16 * 128
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.qs + 16 * h));
-          const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, flip), _mm_setzero_si128());
-          sum += _mm_cvtsi128_si32(sad) + _mm_extract_epi32(sad, 2) - 16 * 128;
-        }
-        d[j] = a.d;
-        start[j] = -128 * sum;
-      }
     }
   }
 }
@@ -514,16 +481,10 @@ std::string check_format(WeightType f) {
   }
   const bool k_format = f != WeightType::kQ8_0;
   const int64_t bytes = k_format ? int8_vector_k_packed_bytes(N, K) : int8_vector_packed_bytes(N, K);
-  std::vector<uint8_t> packed(bytes + 64), scalar(bytes);
+  std::vector<uint8_t> packed(bytes + 64);
   uint8_t* aligned = packed.data() + (-reinterpret_cast<intptr_t>(packed.data()) & 63);
-  if (k_format) {
-    int8_vector_k_pack(vecs_k.data(), N, K, aligned);
-  } else {
-    int8_vector_pack(vecs.data(), N, K, aligned);
-    int8_vector_pack_scalar(vecs.data(), N, K, scalar.data());
-    if (std::memcmp(aligned, scalar.data(), scalar.size()) != 0)
-      return "the self-check's packed activations differ from the scalar packing";
-  }
+  if (k_format) int8_vector_k_pack(vecs_k.data(), N, K, aligned);
+  else int8_vector_pack(vecs.data(), N, K, aligned);
   const int64_t blocks = (N + kAmxRows - 1) / kAmxRows, stride = blocks * kAmxRows;
   std::vector<float> out(R * stride);
   int8_vector_dots(f, rows.data(), row_bytes, R, aligned, blocks, K, out.data(), stride);
@@ -562,10 +523,6 @@ const std::string& int8_vector_status() {
   return status;
 }
 
-void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
-  pack_simd(vecs, n, K, packed);
-}
-
 void int8_vector_dots(WeightType w, const void* rows, int64_t row_bytes, int64_t num_rows, const uint8_t* packed,
                       int64_t blocks, int64_t K, float* out, int64_t out_stride) {
   const int64_t block_bytes = packed_block_bytes(w, K);
@@ -597,9 +554,6 @@ const std::string& int8_vector_status() {
   return status;
 }
 void int8_vector_dots(WeightType, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t) {}
-void int8_vector_pack(const ActQ8* const* vecs, int64_t n, int64_t K, uint8_t* packed) {
-  int8_vector_pack_scalar(vecs, n, K, packed);
-}
 }  // namespace ftjax
 
 #endif

@@ -67,13 +67,13 @@ void linear_task_amx(const DenseView& w, AmxTiles kind, const uint8_t* packed, i
   }
 }
 
-// The tokens packed once (the int8 kinds: quantised to ActQ8 first), then tasks of row passes.
+// The tokens packed once (the int8 kinds: quantised as the exact kernels do first), then tasks of row passes.
 void linear_amx(const Kernels& kernels, const DenseView& w, AmxTiles kind, const float* x, int64_t num_tokens,
                 float* y, ThreadPool* threads) {
   const int64_t K = w.cols;
-  AlignedFloats x_q(int8_act_block(kind) ? num_tokens * K : 0);
-  if (int8_act_block(kind)) {
-    quantise_rows_q8(kernels, int8_act_block(kind), x, num_tokens, K, x_q.data(), threads);
+  AlignedFloats x_q(int8_tiles(kind) ? num_tokens * K : 0);
+  if (int8_tiles(kind)) {
+    prepare_rows(kernels, w.wtype, x, num_tokens, K, x_q.data(), threads);
     x = x_q.data();
   }
   const int64_t blocks = ceil_div(num_tokens, kAmxRows), block_bytes = amx_packed_bytes(kind, kAmxRows, K);

@@ -409,7 +409,7 @@ NB_MODULE(_host_kernels, m) {
   m.def("amx_tile_kind", [](int isa, int wtype) {
           AmxTiles kind;
           return amx_tiles_for(static_cast<Isa>(isa), static_cast<WeightType>(wtype), &kind)
-                     ? (kind == AmxTiles::kInt8 ? "int8" : kind == AmxTiles::kInt8Vector || kind == AmxTiles::kInt8VectorK ? "int8_vector" : "bf16")
+                     ? (kind == AmxTiles::kInt8 ? "int8" : int8_tiles(kind) ? "int8_vector" : "bf16")
                      : "";
         }, "isa"_a, "wtype"_a,
         "The tiles a weight type multiplies on under isa ('bf16': AMX-BF16 or their vector form, 'int8': AMX-INT8, "

@@ -23,26 +23,24 @@ bench_quant / bench_llamacpp runs; then a `decode_paired_summary` line per threa
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import statistics
-import subprocess
 
 import ftjax
+from bench_llamacpp import run_llama_bench
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields
 
 FIRST_TOKEN = 5  # the one-token context ftjax decodes from (llama-bench's tg starts from none)
 
 
 def llama_tg(binary: str, gguf: str, new: int, threads: int) -> float:
-    """tok/s of one llama-bench tg run (-p 0 -n new -r 1, --repack 0: see bench_llamacpp.py)."""
-    out = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(new), "-t", str(threads), "-r", "1",
-                          "--repack", "0", "-o", "csv"], capture_output=True, text=True, check=True).stdout
-    rows = list(csv.DictReader(io.StringIO(out)))
-    if len(rows) != 1 or "avg_ts" not in rows[0]:
-        raise SystemExit(f"llama-bench printed no tg result:\n{out[-2000:]}")
-    return float(rows[0]["avg_ts"])
+    """tok/s of one llama-bench tg run from an empty context (bench_llamacpp.run_llama_bench:
+    -p 0 -n new -r 1, --repack 0)."""
+    tests = run_llama_bench(binary, gguf, [0], new, threads, 1)
+    tg = next((t for t in tests if t["n_gen"] == new and t["n_prompt"] == 0), None)
+    if tg is None:
+        raise SystemExit(f"llama-bench printed no tg{new} result: {tests}")
+    return float(tg["avg_ts"])
 
 
 def main() -> None:
