@@ -236,7 +236,7 @@ class Model:
         bias = bias if bias is not None else bias_arrays([None] * B, self.config.vocab_size)
         # copies: on the CPU backend jit may alias a numpy argument, and callers reuse these
         nxt, logits, state, xstate, codes = self._steps.decode(
-            self._params, state, self._xstate, self._pool_dev, jnp.asarray(token), pos.copy(), active.copy(), keys,
+            self._params, state, self._xstate, self._pool_dev, _host_copy(token), pos.copy(), active.copy(), keys,
             counters.copy(), temperature, top_k, top_p, *bias)
         faults.check("decode")
         self._xstate = xstate
@@ -388,6 +388,12 @@ class Model:
         if self.memory is not None:
             self.memory.sync()
             self.memory.rebalance()  # back to the size the budget leaves
+
+
+def _host_copy(x):
+    """A numpy argument copied (jit on the CPU backend may alias it, and callers reuse
+    theirs); a jax array as it is."""
+    return x.copy() if isinstance(x, np.ndarray) else x
 
 
 def _initial_xstate(executor, pool, placement: Placement, capacity: int | None = None) -> dict:

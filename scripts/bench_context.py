@@ -5,10 +5,15 @@ so each context is set up by giving the step a state of that capacity and a posi
 that length (filling 32k tokens by prefill would take hours on a 2-core CPU); the step
 is the model's real jitted decode step (`Model.decode_step`), with its real executor.
 One JSON line per context with commit and machine fields: median ms/token over
-`--steps` steps after a compile+warm-up round (x `--rounds`, the contexts taken in turn), the KV bytes read per token and the
-achieved attention read rate.
+`--steps` steps after a compile+warm-up round (x `--rounds`, the contexts taken in turn),
+the bytes a step reads at least (`weight_bytes_read`: dense matrices and top-k experts,
+`ftjax.bench.models.decode_weight_bytes`; `kv_bytes_read`: the K/V of the context;
+`step_bytes_read`: both) and the achieved attention read rate. Between two contexts, the
+ratio of their step bytes is the bytes bound of the slowdown: a step bound by memory
+reads slows by that much, no less (scripts/results.py puts it beside the measured one).
 
     python scripts/bench_context.py --model DIR [--contexts 1024 4096 16384 32768] [--policy host]
+        [--kv-dtype bfloat16] [--rounds 3]
         [--prefill 2048 8192 32768]
 """
 
@@ -30,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ftjax  # noqa: E402
+from ftjax.bench.models import decode_weight_bytes  # noqa: E402
 from ftjax.engine.session import MIN_CAPACITY, bucket  # noqa: E402
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
@@ -75,7 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every context this many times, in turn (a shared VM's slow spells spread over all)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="K/V storage (default: what the model's numerics choose: bf16 for a bf16 checkpoint)")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla"],
                     help="auto: the host kernel where `models.layers.attend` picks it; xla: always blocked XLA")
     ap.add_argument("--prefill", nargs="*", type=int, default=[],
@@ -90,6 +97,7 @@ def main(argv=None) -> int:
     model = ftjax.load(a.model, policy=a.policy, threads=a.threads, kv_dtype=a.kv_dtype)
     cfg = model.config
     kv_layers = sum("k" in s for s in jax.eval_shape(lambda: model.new_state(1, 16)))  # attention layers only
+    weight_bytes = sum(decode_weight_bytes(model))
     contexts = [c for c in a.contexts if c + a.steps + 1 <= model.max_seq_len]
     for ctx in sorted(set(a.contexts) - set(contexts)):
         print(json.dumps({"bench": "decode_context", "context": ctx, "skipped": f"beyond max_seq_len {model.max_seq_len}"}))
@@ -101,8 +109,9 @@ def main(argv=None) -> int:
         ms = statistics.median(times[ctx]) * 1e3
         kv_bytes = 2 * kv_layers * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.kv_dtype).itemsize
         print(json.dumps({"bench": "decode_context", "model": model.checkpoint.path.name, "policy": a.policy,
-                          "context": ctx, "ms_per_token": round(ms, 2), "kv_bytes_read": kv_bytes,
-                          "kv_dtype": a.kv_dtype, "attention": a.attention,
+                          "context": ctx, "ms_per_token": round(ms, 2), "weight_bytes_read": weight_bytes,
+                          "kv_bytes_read": kv_bytes, "step_bytes_read": weight_bytes + kv_bytes,
+                          "kv_dtype": jnp.dtype(model.kv_dtype).name, "attention": a.attention,
                           "kv_read_gbps_upper": round(kv_bytes / (ms / 1e3) / 1e9, 2),
                           "steps": a.steps, "rounds": a.rounds, "threads": a.threads, **commit_info(), **machine_info(),
                           **run_fields()}), flush=True)
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
         sec = prefill_time(model, tokens)
         print(json.dumps({"bench": "prefill_context", "model": model.checkpoint.path.name, "policy": a.policy,
                           "tokens": tokens, "seconds": round(sec, 2), "tok_per_s": round(tokens / sec, 1),
-                          "prefill_chunk": model.prefill_chunk, "kv_dtype": a.kv_dtype, "threads": a.threads,
+                          "prefill_chunk": model.prefill_chunk, "kv_dtype": jnp.dtype(model.kv_dtype).name, "threads": a.threads,
                           **commit_info(), **machine_info(), **run_fields()}), flush=True)
     return 0
 

@@ -31,6 +31,8 @@ creates dummy tokens; the benchmark feeds token ids, so no tokenizer is needed.
         --gguf /tmp/ftjax-geom-bf16.gguf --threads 1
     /tmp/llvenv/bin/python scripts/bench_llamacpp.py --gguf /tmp/olmoe-attn-bf16.gguf \\
         --contexts 1024 2048 4096 8192 16384 32768 --new 8 --threads 2      # long context
+    python scripts/bench_llamacpp.py --llama-bench /tmp/llbench/bin/llama-bench --gguf /tmp/olmoe-attn-bf16.gguf \\
+        --contexts 8 3000 32768 --new 16 --rounds 3 --threads 2    # long context, llama-bench's tg at depth
 
 Measurement (same as scripts/bench_decode.py): process pinned to the first N cores,
 n_threads = n_threads_batch = N; prompt of --prompt ids drawn as bench_decode draws them
@@ -190,13 +192,15 @@ def bench(args) -> None:
         "distinct_tokens": len(set(toks)), "first_tokens": toks[:8], **run_fields()}), flush=True)
 
 
-def run_llama_bench(binary: str, gguf: str, prompts: list[int], new: int, threads: int, rounds: int) -> list[dict]:
+def run_llama_bench(binary: str, gguf: str, prompts: list[int], new: int, threads: int, rounds: int,
+                    depths: list[int] = (0,)) -> list[dict]:
     """llama.cpp's own llama-bench (its AVX-512 path: `--repack 0`) -> its jsonl records:
-    one per test (pp of each prompt length, tg of `new` tokens), each with its rounds."""
+    one per test (pp of each prompt length, tg of `new` tokens; each at every depth: that
+    many tokens already in the K/V cache), each with its rounds."""
     import subprocess
 
     cmd = [binary, "-m", gguf, "-p", ",".join(map(str, prompts)), "-n", str(new), "-t", str(threads),
-           "-r", str(rounds), "--repack", "0", "-o", "jsonl"]
+           "-r", str(rounds), "-d", ",".join(map(str, depths)), "--repack", "0", "-o", "jsonl"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -215,6 +219,21 @@ def llama_bench(args) -> None:
             "threads": threads, "prompt_tokens": args.prompt, "new_tokens": args.new, "round": r,
             "prompt_tok_per_s": round(float(p_ts), 2), "tok_per_s": round(float(g_ts), 3), **run_fields()}),
             flush=True)
+
+
+def llama_bench_contexts(args) -> None:
+    """llama-bench's tg of `--new` tokens at each of `--contexts` tokens already held (its
+    depth), one line per context with the median round: the llama.cpp side of
+    scripts/bench_context.py, with llama.cpp's native build."""
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    tests = run_llama_bench(args.llama_bench, args.gguf, [0], args.new, threads, args.rounds, args.contexts)
+    for t in sorted((t for t in tests if t["n_gen"] == args.new), key=lambda t: t["n_depth"]):
+        ms = [1e3 / float(ts) for ts in t["samples_ts"]]
+        print(json.dumps({"bench": "context_llamacpp", "gguf": args.gguf, "context": t["n_depth"], "threads": threads,
+                          "ms_per_token": round(statistics.median(ms), 2), "rounds_ms": [round(x, 2) for x in ms],
+                          "steps": args.new, "type_k": t["type_k"],
+                          "llama_bench": {"build_commit": t["build_commit"], "repack": t["repack"]},
+                          **commit(), "machine": machine(), **run_fields()}), flush=True)
 
 
 def contexts(args) -> None:
@@ -269,7 +288,7 @@ def main() -> None:
     if not (args.convert or args.quantize):  # the measuring modes write raw lines
         RUNINFO.check_clean_or_exit(args.allow_dirty)
     if args.llama_bench:
-        return llama_bench(args)
+        return llama_bench_contexts(args) if args.contexts else llama_bench(args)
     if not args.extra_bufts and not args.convert:
         no_extra_buffer_types()
     if args.convert:

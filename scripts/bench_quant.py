@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import ftjax  # noqa: E402
+from ftjax.bench.models import decode_weight_bytes  # noqa: E402
 from ftjax.bench.quality import held_out_nll  # noqa: E402
 from ftjax.experts.pool import HostExpertPool, to_bf16_bits  # noqa: E402
 from ftjax.host import HostExecutor, read_bandwidth_gbps  # noqa: E402
@@ -106,14 +107,6 @@ def kernel(threads_list: list[int], prefill_tokens: int, formats: list[str], E: 
                  ms=round(s * 1e3, 2), tok_per_s=round(prefill_tokens / s, 1))
 
 
-def dense_bytes(model) -> int:
-    """Bytes of the dense params a decode step streams (all but the embedding table, whose
-    rows are gathered)."""
-    from ftjax.engine.memory import tree_bytes
-
-    return tree_bytes({k: v for k, v in model._params.items() if k != "embed"})
-
-
 def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_tokens: int, formats: list[str],
                 dense_dtypes: list[str]) -> None:
     rng = np.random.default_rng(1)
@@ -134,8 +127,7 @@ def whole_model(path: str, threads_list: list[int], prompt_tokens: int, new_toke
         model.generate(prompt[:16], 4)  # compile decode
         model.generate(prompt[:16], new_tokens)
         stats = model.last_generation
-        dense_read = dense_bytes(model)
-        expert_read = model.config.top_k * model.config.num_moe_layers * model.checkpoint.pool.expert_bytes
+        dense_read, expert_read = decode_weight_bytes(model)
         step_bytes = dense_read + expert_read  # what one decode step reads, at least
         ceiling = read_bandwidth_gbps(threads)  # right after the decode it bounds, same threads
         emit("quant_model", model=str(path), expert_format=model.checkpoint.pool.dtype, threads=threads,

@@ -167,12 +167,17 @@ class Value:
 
 @dataclass(frozen=True)
 class Ratio:
-    """a / b of two linked cells of the same row (derived: not a raw number)."""
-    a: Value
-    b: Value
+    """a / b of two linked cells of the same row, or of two such ratios (derived: not a
+    raw number)."""
+    a: Value | Ratio
+    b: Value | Ratio
+
+    @property
+    def x(self) -> float:
+        return self.a.x / self.b.x
 
     def md(self, base: str) -> str:
-        return f"{self.a.x / self.b.x:.2f}x"
+        return f"{self.x:.2f}x"
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,7 @@ def cell_lines(c: Cell) -> list[Line]:
     if isinstance(c, Value):
         return [c.line]
     if isinstance(c, Ratio):
-        return [c.a.line, c.b.line]
+        return cell_lines(c.a) + cell_lines(c.b)
     if isinstance(c, Joined):
         return [p.line for p in c.parts]
     return []
@@ -400,31 +405,44 @@ def ceiling_tables(run: Run):
 
 
 def context_tables(run: Run):
-    lines = run.bench("decode_context")
+    """ftjax's rows (bench_context) and llama.cpp's (bench_llamacpp --contexts): ms/token per
+    context and the slowdown from the first context to the last; for ftjax also the bytes
+    bound of that slowdown (step bytes at the last context / at the first) and how far
+    the measured slowdown is above it."""
+    ours, peers = run.bench("decode_context"), run.bench("context_llamacpp")
     groups: dict[tuple, list[Line]] = {}
-    for x in lines:
-        groups.setdefault((x.get("model"), x.get("policy"), x.get("threads"), x.get("kv_dtype")), []).append(x)
-    contexts = sorted({x.get("context") for x in lines})
+    for x in ours:
+        groups.setdefault(("ftjax", x.get("model"), x.get("policy"), x.get("threads"), x.get("kv_dtype")), []).append(x)
+    for x in peers:
+        groups.setdefault(("llama.cpp", Path(x.get("gguf")).name, "llama-bench", x.get("threads"), x.get("type_k")),
+                          []).append(x)
+    contexts = sorted({x.get("context") for x in ours + peers})
     rows, heads = [], []
-    for (model, policy, threads, kv), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (who, model, policy, threads, kv), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         by = {x.get("context"): x for x in g}
-        cells: list[Cell] = [Text(f"`{model}`, `{policy}`, {threads} threads, {kv} K/V")]
+        cells: list[Cell] = [Text(f"{who}: `{model}`, `{policy}`, {threads} threads, {kv} K/V")]
         cells += [Value(by[c].get("ms_per_token"), by[c]) if c in by else NONE for c in contexts]
         lo, hi = by.get(contexts[0]), by.get(contexts[-1])
         if not (lo and hi):
-            rows.append(cells + [NONE])
+            rows.append(cells + [NONE, NONE, NONE])
             continue
         first, last = Value(lo.get("ms_per_token"), lo), Value(hi.get("ms_per_token"), hi)
-        rows.append(cells + [Ratio(last, first)])
-        if kv == "bfloat16":
+        slowdown = Ratio(last, first)
+        bound = Ratio(Value(hi.get("step_bytes_read"), hi), Value(lo.get("step_bytes_read"), lo)) \
+            if lo.get("step_bytes_read") and hi.get("step_bytes_read") else None
+        rows.append(cells + [slowdown, bound or NONE, Ratio(slowdown, bound) if bound else NONE])
+        if kv == "bfloat16" and who == "ftjax":
             heads.append(Headline(f"Decode step with {contexts[0]} / {contexts[-1]} tokens of context, `{model}`, "
                                   f"{kv} K/V, {threads} threads; {machine_name(g)}, {run.name[:10]}",
                                   Joined((first, last), unit="ms"), NONE, "cost-growth-with-context"))
     if not rows:
         return [], []
-    header = ["model, policy, threads, K/V"] + [f"{c} tokens: ms/token" for c in contexts] + \
-             [f"{contexts[-1]} / {contexts[0]} (ratio)"]
-    return [Table(run.name, header, rows, run)], heads
+    header = ["engine: model, policy, threads, K/V"] + [f"{c} tokens: ms/token" for c in contexts] + \
+             [f"{contexts[-1]} / {contexts[0]} (ratio)", "bytes bound (ratio)", "slowdown / bound (ratio)"]
+    return [Table(run.name, header, rows, run,
+                  "The bytes bound: what one decode step reads at least (dense matrices, top-k experts and the "
+                  "context's K/V) at the last context over the first; a step bound by memory reads slows by "
+                  "that much.")], heads
 
 
 def batch_tables(run: Run):
@@ -740,10 +758,12 @@ QUESTIONS = [
              decode_gaps),
     Question("context", "Cost growth with context",
              "ms per decoded token with a given number of tokens already held (`scripts/bench_context.py`: decode "
-             "steps on a state of that capacity).",
+             "steps on a state of that capacity; llama.cpp: llama-bench's tg at that depth, on the same weights).",
              [context_tables],
-             "`scripts/bench_context.py --model DIR --policy host --threads 2 --kv-dtype bfloat16` and "
-             "`scripts/bench_llamacpp.py --gguf FILE --contexts 1024 4096 16384 32768 --new 8 --threads 2`",
+             "`scripts/bench_context.py --model DIR --threads 2 --contexts 8 1024 3000 8192 32768 --steps 16 "
+             "--rounds 3 [--kv-dtype float32]` and `scripts/bench_llamacpp.py --llama-bench BIN --gguf FILE "
+             "--contexts 8 1024 3000 8192 32768 --new 16 --rounds 3 --threads 2`, DIR the OLMoE attention geometry "
+             "(`scripts/make_geometry_checkpoint.py --family olmoe_attention --layers 2`) and FILE its GGUF",
              gaps=lambda runs: [] if any(r.bench("context_llamacpp") for r in runs) else
              ["llama.cpp at the same contexts on the same machine"]),
     Question("agent", "Agent TTFT with and without state reuse",

@@ -6,6 +6,9 @@ config.json; every other file linked). It was trained at 2,048 tokens: past that
 extrapolates and the text gets worse, while the serving work — prefill, attention over
 n keys, state sizes — is the real one. Long-history soaks and prompt-cost curves use it
 so that they need nothing outside the repository.
+
+`decode_weight_bytes(model)`: the weight bytes one decode step reads at least (dense
+matrices, top-k experts per MoE layer), the floor of the read-ceiling and context benchmarks.
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ import json
 from pathlib import Path
 
 from ftjax.model import DEFAULT_MODEL_DIR
+
+
+def decode_weight_bytes(model) -> tuple[int, int]:
+    """(dense, experts) bytes one decode step streams: every dense param but the embedding
+    table, whose one row is gathered (unless tied: the LM head then reads all of it), and
+    top_k experts of every MoE layer."""
+    from ftjax.engine.memory import tree_bytes
+
+    cfg = model.config
+    dense = tree_bytes({k: v for k, v in model._params.items() if k != "embed" or cfg.tie_embeddings})
+    return dense, cfg.top_k * cfg.num_moe_layers * model.checkpoint.pool.expert_bytes
 
 
 def default_model_with_context(context: int, folder: Path) -> Path:

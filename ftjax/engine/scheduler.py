@@ -147,7 +147,7 @@ class _Row:
     pos: int  # where the next fed token goes (= tokens fed so far)
     token: int  # the next token to feed (the last one emitted)
     budget: int  # new tokens it may produce in all
-    key: jax.Array
+    key: np.ndarray  # the job's PRNG key data (jax.random.PRNGKey(seed), on the host)
     forced: collections.deque
 
 
@@ -605,7 +605,7 @@ class Scheduler:
         """First token from the prefill logits; then a row of the batch (unless done)."""
         job, session, m = p.job, p.session, self.model
         smp = job.sampling
-        key = jax.random.PRNGKey(smp.seed)
+        key = np.asarray(jax.random.PRNGKey(smp.seed))  # host data: a step stacks the rows' keys in numpy
         forced = collections.deque(job.forced)
         budget = min(job.max_new_tokens, m.max_seq_len - job.prompt.size)
         if job.step_logits is not None:
@@ -714,8 +714,9 @@ class Scheduler:
             for Bp in self.buckets:
                 state = _put_row(m.new_state(Bp, cap), m.new_state(1, cap), 0)
                 zeros = np.zeros(Bp, np.int32)
-                out = m.decode_step(state, zeros, zeros, np.zeros(Bp, bool), jnp.stack([jax.random.PRNGKey(0)] * Bp),
-                                    zeros, np.zeros(Bp, np.float32), zeros, np.ones(Bp, np.float32))
+                keys = np.stack([np.asarray(jax.random.PRNGKey(0))] * Bp)  # host data, as `_decode` passes them
+                out = m.decode_step(state, zeros, zeros, np.zeros(Bp, bool), keys, zeros, np.zeros(Bp, np.float32),
+                                    zeros, np.ones(Bp, np.float32))
                 jax.block_until_ready(out[0])
         if self.state_cache is not None:
             self.state_cache.warmup(self.capacities)
@@ -732,10 +733,11 @@ class Scheduler:
             return
         Bp = len(rows)
         live = [b for b, r in enumerate(rows) if r is not None]
+        r0 = rows[live[0]]
         tokens, pos, counters = (np.zeros(Bp, np.int32) for _ in range(3))
         temperature, top_p = np.zeros(Bp, np.float32), np.ones(Bp, np.float32)
         top_k = np.zeros(Bp, np.int32)
-        keys = [jax.random.PRNGKey(0)] * Bp
+        keys = np.zeros((Bp, *r0.key.shape), r0.key.dtype)  # an idle row's key is never used
         active = np.zeros(Bp, bool)
         for b in live:
             r = rows[b]
@@ -745,7 +747,7 @@ class Scheduler:
         bias = bias_arrays([r.job.bias() if r is not None else None for r in rows], m.config.vocab_size)
         t0 = time.perf_counter()
         state, self._state = self._state, None  # donated: a failed step leaves no state behind
-        out, logits, self._state = m.decode_step(state, tokens, pos, active, jnp.stack(keys), counters, temperature,
+        out, logits, self._state = m.decode_step(state, tokens, pos, active, keys, counters, temperature,
                                                  top_k, top_p, bias)
         ids = np.asarray(out)  # the one host sync per step
         m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
