@@ -424,13 +424,17 @@ def context_tables(run: Run):
         cells += [Value(by[c].get("ms_per_token"), by[c]) if c in by else NONE for c in contexts]
         lo, hi = by.get(contexts[0]), by.get(contexts[-1])
         if not (lo and hi):
-            rows.append(cells + [NONE, NONE, NONE])
+            rows.append(cells + [NONE] * len(contexts))
             continue
         first, last = Value(lo.get("ms_per_token"), lo), Value(hi.get("ms_per_token"), hi)
-        slowdown = Ratio(last, first)
-        bound = Ratio(Value(hi.get("step_bytes_read"), hi), Value(lo.get("step_bytes_read"), lo)) \
-            if lo.get("step_bytes_read") and hi.get("step_bytes_read") else None
-        rows.append(cells + [slowdown, bound or NONE, Ratio(slowdown, bound) if bound else NONE])
+        cells.append(Ratio(last, first))
+        for c in contexts[1:]:  # the measured slowdown over its bytes bound, where the lines give the bytes
+            x = by.get(c)
+            bytes_given = x and x.get("step_bytes_read") and lo.get("step_bytes_read")
+            cells.append(Ratio(Ratio(Value(x.get("ms_per_token"), x), first),
+                               Ratio(Value(x.get("step_bytes_read"), x), Value(lo.get("step_bytes_read"), lo)))
+                         if bytes_given else NONE)
+        rows.append(cells)
         if kv == "bfloat16" and who == "ftjax":
             heads.append(Headline(f"Decode step with {contexts[0]} / {contexts[-1]} tokens of context, `{model}`, "
                                   f"{kv} K/V, {threads} threads; {machine_name(g)}, {run.name[:10]}",
@@ -438,11 +442,13 @@ def context_tables(run: Run):
     if not rows:
         return [], []
     header = ["engine: model, policy, threads, K/V"] + [f"{c} tokens: ms/token" for c in contexts] + \
-             [f"{contexts[-1]} / {contexts[0]} (ratio)", "bytes bound (ratio)", "slowdown / bound (ratio)"]
+             [f"{contexts[-1]} / {contexts[0]} (ratio)"] + \
+             [f"{c} / {contexts[0]}: slowdown / bytes bound (ratio)" for c in contexts[1:]]
     return [Table(run.name, header, rows, run,
-                  "The bytes bound: what one decode step reads at least (dense matrices, top-k experts and the "
-                  "context's K/V) at the last context over the first; a step bound by memory reads slows by "
-                  "that much.")], heads
+                  "The bytes bound of a slowdown: what one decode step reads at least (dense matrices, top-k "
+                  "experts and the context's K/V) at that context over the first; a step bound by memory reads "
+                  "slows by that much, so 1.00x is the floor and the distance above it is time lost to "
+                  "something else.")], heads
 
 
 def batch_tables(run: Run):
