@@ -50,7 +50,7 @@ from ftjax.host import default_threads, memory_kind_of, pool_view
 from ftjax import distributed
 from ftjax.placement import Placement, placement_for
 from ftjax.models import FAMILIES
-from ftjax.models.common import causal_lm, init_state
+from ftjax.models.common import causal_lm, fresh_state, init_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 NUMERICS = ("auto", "exact", "fast")
@@ -139,7 +139,8 @@ class Model:
         """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers),
         committed to device memory like the states the steps return (one compile each)."""
         p = self._placement
-        return p.put(init_state(self.config, batch, capacity, self.kv_dtype), p.replicated())
+        build = fresh_state if jax.process_count() == 1 else init_state  # several: each its own values
+        return p.put(build(self.config, batch, capacity, self.kv_dtype), p.replicated())
 
     def api_scheduler(self):
         """The decode loop of the Python API (`generate*`, `Session.generate`): an
@@ -213,14 +214,15 @@ class Model:
         """Feed tokens [B, T] (padded) from start [B], length [B] real tokens per row ->
         (logits [B, V] or [B, T, V], the new state). `state` is donated; the expert cache
         state, telemetry and calibration are updated here."""
-        tokens = jnp.asarray(tokens)
         if self.streams(int(np.max(length))):
+            tokens = jnp.asarray(tokens)
             logits, state, codes, nbytes = self._streamed.run(
                 self._params, state, self._xstate, self.checkpoint.pool, tokens, start, length, all_logits=all_logits)
             self._telemetry.timing.bytes_streamed += nbytes
         else:
-            logits, state, xstate, codes = self._steps.prefill(
-                self._params, state, self._xstate, self._pool_dev, tokens, start, length, all_logits=all_logits)
+            logits, state, xstate, codes = self._steps.prefill(  # numpy in: no eager transfer op
+                self._params, state, self._xstate, self._pool_dev, _host_copy(tokens), start, length,
+                all_logits=all_logits)
             faults.check("prefill")  # here: the donated inputs are gone, as after a real failure
             self._xstate = xstate
         self._telemetry.record("prefill", codes)

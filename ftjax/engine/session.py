@@ -269,7 +269,8 @@ class Session:
         t0 = time.perf_counter()
         with self.model.recovering():
             logits = self._prefill(np.concatenate([np.asarray(pending, np.int32), arr]), all_logits)
-            out = np.asarray(logits[0, len(pending):len(pending) + arr.size] if all_logits else logits[0], np.float32)
+            host = np.asarray(logits, np.float32)  # the whole [1, ...] array: slicing it on the device is an op
+            out = host[0, len(pending):len(pending) + arr.size] if all_logits else host[0]
         self._ids.extend(int(t) for t in arr)
         self._add_prefill_time(time.perf_counter() - t0, arr.size)
         return out

@@ -222,6 +222,14 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
                  for i in range(cfg.num_layers))
 
 
+@partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "dtype"))
+def fresh_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> State:
+    """`init_state` as one compiled program: run eagerly, its two or three ops a layer
+    each compile on first use (~50 ms of a restarted process's first prompt on the default
+    model); one program per shape is compiled once, or read back from the persistent cache."""
+    return init_state(cfg, batch, max_len, dtype)
+
+
 def resize_state(cfg: ModelConfig, state: State, max_len: int) -> State:
     """The same state with its sequence capacity grown (zeros) or trimmed to `max_len`."""
     return tuple(kind_class(cfg.layer_kind(i)).resize_state(s, max_len) for i, s in enumerate(state))
