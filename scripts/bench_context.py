@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         sec = prefill_time(model, tokens)
         print(json.dumps({"bench": "prefill_context", "model": model.checkpoint.path.name, "policy": a.policy,
                           "tokens": tokens, "seconds": round(sec, 2), "tok_per_s": round(tokens / sec, 1),
-                          "prefill_chunk": model.prefill_chunk, "kv_dtype": jnp.dtype(model.kv_dtype).name, "threads": a.threads,
+                          "prefill_chunk": model.prefill_chunk, "kv_dtype": jnp.dtype(model.kv_dtype).name,
+                          "threads": a.threads,
                           **commit_info(), **machine_info(), **run_fields()}), flush=True)
     return 0
 

@@ -32,7 +32,7 @@ def test_a_second_process_compiles_nothing_new(tmp_path):
     first = run(env)
     entries = set(os.listdir(folder))
     assert first["folder"] == str(folder) and entries, "the first process wrote no compiled program"
-    assert any(e.startswith("jit_fresh_state") for e in entries), "a small program (a new session's state) was not written"
+    assert any(e.startswith("jit_fresh_state") for e in entries), "a small program (a session's state) was not written"
     second = run(env)
     assert second["tokens"] == first["tokens"]
     assert set(os.listdir(folder)) == entries, "the second process compiled programs the first had written"

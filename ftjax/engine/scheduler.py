@@ -733,11 +733,11 @@ class Scheduler:
             return
         Bp = len(rows)
         live = [b for b, r in enumerate(rows) if r is not None]
-        r0 = rows[live[0]]
+        key_data = rows[live[0]].key  # every row's key has its shape and dtype
         tokens, pos, counters = (np.zeros(Bp, np.int32) for _ in range(3))
         temperature, top_p = np.zeros(Bp, np.float32), np.ones(Bp, np.float32)
         top_k = np.zeros(Bp, np.int32)
-        keys = np.zeros((Bp, *r0.key.shape), r0.key.dtype)  # an idle row's key is never used
+        keys = np.zeros((Bp, *key_data.shape), key_data.dtype)  # an idle row's key is never used
         active = np.zeros(Bp, bool)
         for b in live:
             r = rows[b]
