@@ -920,10 +920,11 @@ def _page(sections: list[str], missing: list[Question], gaps: list[tuple[Questio
            "([benchmarks.md](benchmarks.md) has the commands): " + "; ".join(f"`{k}`: {v}" for k, v in LEGEND) + ".",
            ""]
     out += [s.rstrip() + "\n" for s in sections]
-    out += ["## Not measured on a clean tree yet", ""]
-    out += [f"- **{q.title}**: no clean raw line. Produce them with {q.produce}." for q in missing]
-    out += [f"- **{q.title}**: {g}. Produce them with {q.produce}." for q, g in gaps]
-    out.append("")
+    if missing or gaps:
+        out += ["## Not measured on a clean tree yet", ""]
+        out += [f"- **{q.title}**: no clean raw line. Produce them with {q.produce}." for q in missing]
+        out += [f"- **{q.title}**: {g}. Produce them with {q.produce}." for q, g in gaps]
+        out.append("")
     return "\n".join(out)
 
 

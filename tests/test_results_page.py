@@ -253,3 +253,22 @@ def test_soak_lines_make_a_memory_table(tmp_path):
     page, _, tables = results.build(results.load_runs(tmp_path / "docs" / "results"))
     assert "## Memory" in page and "[1428](results/memory/2026-01-02-soak/soak.jsonl#L1)" in page and "1.02x" in page
     assert "- **Memory**" not in page  # no longer in the "not measured" list
+
+
+def test_context_lines_set_each_slowdown_beside_its_bytes_bound(tmp_path):
+    run = tmp_path / "docs" / "results" / "context" / "2026-01-03-x"
+    run.mkdir(parents=True)
+    common = {"commit": "abcdef1", "dirty": False, "machine": {"cpu": "CPU A", "cores": 2}, "threads": 2}
+    ours = [{"bench": "decode_context", "model": "m", "policy": "host", "kv_dtype": "bfloat16", "context": c,
+             "ms_per_token": ms, "step_bytes_read": nbytes, **common}
+            for c, ms, nbytes in [(8, 2.0, 100), (3000, 3.3, 150)]]
+    peer = [{"bench": "context_llamacpp", "gguf": "/tmp/m.gguf", "type_k": "f16", "context": c, "ms_per_token": ms,
+             **common} for c, ms in [(8, 1.5), (3000, 6.0)]]
+    (run / "ftjax.jsonl").write_text("\n".join(map(json.dumps, ours)) + "\n")
+    (run / "llamacpp.jsonl").write_text("\n".join(map(json.dumps, peer)) + "\n")
+    page, _, _ = results.build(results.load_runs(tmp_path / "docs" / "results"))
+    ftjax_row = next(r for r in page.splitlines() if r.startswith("| ftjax: `m`"))
+    peer_row = next(r for r in page.splitlines() if r.startswith("| llama.cpp: `m.gguf`"))
+    assert ftjax_row.endswith("| 1.65x | 1.10x |")  # 3.3 / 2.0 slower where the bytes grow 1.5x
+    assert peer_row.endswith("| 4.00x | — |")  # llama.cpp's lines carry no bytes
+    assert "- **Cost growth with context**" not in page  # llama.cpp's rows answer the gap
