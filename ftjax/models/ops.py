@@ -177,10 +177,12 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float,
     else:
         inv_freq = jnp.asarray(yarn_inv_freq(rotary_dim, theta, scaling))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    if scaling is None:
-        return jnp.cos(emb), jnp.sin(emb)
-    return jnp.cos(emb) * scaling.attention_factor, jnp.sin(emb) * scaling.attention_factor
+    # each angle once, then duplicated: on the duplicated [B, T, rd] XLA's CPU backend called libm's scalar
+    # sincosf per element (8% of the default model's 2k-token prompt); on [B, T, rd/2] it vectorises them
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    if scaling is not None:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def yarn_inv_freq(dim: int, theta: float, y: RopeScaling) -> np.ndarray:
