@@ -50,7 +50,7 @@ from ftjax.host import default_threads, memory_kind_of, pool_view
 from ftjax import distributed
 from ftjax.placement import Placement, placement_for
 from ftjax.models import FAMILIES
-from ftjax.models.common import causal_lm, fresh_state, init_state
+from ftjax.models.common import causal_lm, fresh_state
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 NUMERICS = ("auto", "exact", "fast")
@@ -139,8 +139,7 @@ class Model:
         """Empty per-layer state for `batch` rows of `capacity` tokens (see models.layers),
         committed to device memory like the states the steps return (one compile each)."""
         p = self._placement
-        build = fresh_state if jax.process_count() == 1 else init_state  # several: each its own values
-        return p.put(build(self.config, batch, capacity, self.kv_dtype), p.replicated())
+        return p.put(fresh_state(self.config, batch, capacity, self.kv_dtype), p.replicated())
 
     def api_scheduler(self):
         """The decode loop of the Python API (`generate*`, `Session.generate`): an

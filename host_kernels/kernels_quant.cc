@@ -286,6 +286,8 @@ DotTable block_table_scalar(WeightType w) {
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
+#include "simd_math.h"  // q6_k_levels
+
 #define FTJAX_QSIMD __attribute__((target("avx2,fma,f16c")))
 #define FTJAX_QSIMD_VNNI 0
 namespace ftjax::avx2 {

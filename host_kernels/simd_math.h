@@ -1,9 +1,9 @@
-// Vector math shared by the AVX-512 tile paths (amx.cc's SwiGLU, attention_tiles.cc's
-// softmax, the Q6_K unpacking of dequant.cc and int8_vector.cc). Every CPU with AMX has
-// AVX-512; callers reach these only on such a CPU.
+// Vector math shared by the SIMD kernels: the AVX-512 tile paths' exp (amx.cc's SwiGLU,
+// attention_tiles.cc's softmax; every CPU with AMX has AVX-512, and callers reach it only on
+// such a CPU) and the AVX2 Q6_K level assembly (the dot kernels, dequant.cc, int8_vector.cc).
 #pragma once
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <cstdint>
 #include <immintrin.h>
 
