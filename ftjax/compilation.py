@@ -50,6 +50,11 @@ def enable_persistent_cache() -> str | None:
     except OSError as e:  # a read-only home: run without the cache rather than fail
         log.warning("compilation cache off: cannot create %s (%s); set %s to a writable folder", folder, e, ENV)
         return None
+    return use_folder(folder)
+
+
+def use_folder(folder: str | Path) -> str:
+    """Cache every program in `folder` (replacing any folder set before) -> its path."""
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -85,6 +85,9 @@ class Model:
     _scheduler: Any = field(default=None, repr=False)  # the Python API's decode loop (api_scheduler)
     _placement: Placement = field(default_factory=Placement, repr=False)  # one device or a mesh (`ftjax.placement`)
 
+    def __post_init__(self):
+        self._param_leaves = self._steps.param_leaves(self._params)  # what the steps take (Steps.param_leaves)
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.model_type}, {c.num_layers} layers, {c.num_experts} experts top-{c.top_k}, "
@@ -220,7 +223,7 @@ class Model:
             self._telemetry.timing.bytes_streamed += nbytes
         else:
             logits, state, xstate, codes = self._steps.prefill(  # numpy in: no eager transfer op
-                self._params, state, self._xstate, self._pool_dev, _host_copy(tokens), start, length,
+                self._param_leaves, state, self._xstate, self._pool_dev, _host_copy(tokens), start, length,
                 all_logits=all_logits)
             faults.check("prefill")  # here: the donated inputs are gone, as after a real failure
             self._xstate = xstate
@@ -237,7 +240,7 @@ class Model:
         bias = bias if bias is not None else bias_arrays([None] * B, self.config.vocab_size)
         # copies: on the CPU backend jit may alias a numpy argument, and callers reuse these
         nxt, logits, state, xstate, codes = self._steps.decode(
-            self._params, state, self._xstate, self._pool_dev, _host_copy(token), pos.copy(), active.copy(), keys,
+            self._param_leaves, state, self._xstate, self._pool_dev, _host_copy(token), pos.copy(), active.copy(), keys,
             counters.copy(), temperature, top_k, top_p, *bias)
         faults.check("decode")
         self._xstate = xstate

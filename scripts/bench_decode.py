@@ -137,6 +137,7 @@ def step_times_without_experts(model, new: int, pos0: int) -> list[float]:
     ex = NoExperts(get_policy("device"), num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=0,
                    transfer_ratio=1.0, host_fn=None)
     steps = Steps(model._graphdef, ex)
+    params = steps.param_leaves(model._params)
     cache_len = ftjax.model.bucket(pos0 + new, 128)
     settings = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32))
     keys, active = jax.random.PRNGKey(0)[None], np.ones(1, bool)
@@ -145,7 +146,7 @@ def step_times_without_experts(model, new: int, pos0: int) -> list[float]:
         state, xs, token = init_state(cfg, 1, cache_len), {}, jnp.zeros((1,), jnp.int32)
         stamps = []
         for i in range(new):
-            token, _, state, xs, _ = steps.decode(model._params, state, xs, model._pool_dev, token,
+            token, _, state, xs, _ = steps.decode(params, state, xs, model._pool_dev, token,
                                                   np.array([pos0 + i], np.int32), active, keys,
                                                   np.array([i], np.int32), *settings)
             int(token[0])

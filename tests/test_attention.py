@@ -159,7 +159,7 @@ def test_decode_step_updates_the_state_in_place(tmp_path, kv_dtype):
     cap = 8192
     state = model.new_state(1, cap)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves(state))
-    args = (model._params, state, model._xstate, model._pool_dev, jnp.zeros(1, jnp.int32), np.array([5], np.int32),
+    args = (model._param_leaves, state, model._xstate, model._pool_dev, jnp.zeros(1, jnp.int32), np.array([5], np.int32),
             np.ones(1, bool), jax.random.PRNGKey(0)[None], np.zeros(1, np.int32), jnp.zeros(1), jnp.zeros(1, jnp.int32),
             jnp.ones(1), *bias_arrays([None], model.config.vocab_size))
     compiled = model._steps.decode.lower(*args).compile()

@@ -43,3 +43,35 @@ def test_off_and_the_users_own_folder(tmp_path):
     own = tmp_path / "mine"
     got = run({"FTJAX_COMPILE_CACHE": str(tmp_path / "ours"), "JAX_COMPILATION_CACHE_DIR": str(own)})
     assert got["folder"] == str(own) and not (tmp_path / "ours").exists()
+
+
+def test_compile_benchmark_compiles_cold_whatever_the_users_cache_holds(tmp_path):
+    """scripts/bench_compile.py times cold compiles in a folder of its own (a user's folder
+    holding the programs would turn them into reads), then the reads of a restart."""
+    users = tmp_path / "users-cache"
+    users.mkdir()
+    out = subprocess.run([sys.executable, "scripts/bench_compile.py", "--allow-dirty", "--policies", "device"],
+                         env={**os.environ, "FTJAX_COMPILE_CACHE": str(users)}, capture_output=True, text=True,
+                         timeout=600, cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["cold_read_s"] == 0 and line["prefill_compile_s"] > 0, line
+    assert line["restart_read_s"] > 0, line  # the restart read its programs back
+    assert not os.listdir(users), "the benchmark wrote into the user's cache folder"
+
+
+def test_default_model_made_deeper_repeats_its_layers(tmp_path):
+    import numpy as np
+
+    import ftjax
+    from ftjax.bench.models import default_model_with_layers
+
+    base = ftjax.load()
+    same = ftjax.load(default_model_with_layers(base.config.num_layers, tmp_path / "same"))
+    ids = base.tokenizer.encode("It is a truth universally acknowledged")
+    np.testing.assert_array_equal(same.logits(ids), base.logits(ids))
+    deep = ftjax.load(default_model_with_layers(base.config.num_layers + 2, tmp_path / "deep"))
+    assert deep.config.num_layers == base.config.num_layers + 2
+    layers = deep._params["layers"]
+    np.testing.assert_array_equal(np.asarray(layers[base.config.num_layers + 1]["attn"]["wq"][...]),
+                                  np.asarray(layers[1]["attn"]["wq"][...]))

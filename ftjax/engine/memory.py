@@ -100,7 +100,7 @@ def prefill_scratch_bytes(model: Model, tokens: int) -> int:
     T = min(bucket(tokens), model.max_seq_len)
     state = jax.eval_shape(lambda: model.new_state(1, model.max_seq_len))
     i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
-    compiled = model._steps.prefill.lower(model._params, state, model._xstate, model._pool_dev,
+    compiled = model._steps.prefill.lower(model._param_leaves, state, model._xstate, model._pool_dev,
                                           jax.ShapeDtypeStruct((1, T), jnp.int32), i32, i32,
                                           all_logits=False).compile()
     analysis = compiled.memory_analysis()

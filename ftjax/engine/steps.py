@@ -1,7 +1,9 @@
 """The compiled programs of a loaded model: prefill and the decode step.
 
 Both are `jax.jit` over the split NNX state (`nnx.merge` inside the trace; calling
-`nnx.jit` per token costs ~10x more dispatch). The layers' state (a tuple of per-layer
+`nnx.jit` per token costs ~10x more dispatch), taken as the flat tuple of its arrays
+(`param_leaves`): JAX flattens a tuple of arrays in C++, an NNX state through Python
+callbacks (~50 us a call on the default model's 56 params). The layers' state (a tuple of per-layer
 pytrees, `models.common.init_state`) and the executor state are donated, so they update
 in place; the host pool view is a plain (read-only) argument. Shapes are bucketed by
 the caller, so each program compiles once per (batch, token bucket, state capacity).
@@ -29,12 +31,22 @@ from ftjax.experts.executor import Executor  # or experts.parallel.ExpertParalle
 class Steps:
     def __init__(self, graphdef, executor: Executor, threads: int | None = None, dense_isa: host.Isa = host.Isa.AUTO):
         self.graphdef, self.executor = graphdef, executor
+        self.param_tree = None  # the structure of the params the steps take flat (param_leaves)
         self.threads, self.dense_isa = threads, dense_isa  # the dense host kernel's (host.dense_settings)
         self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2), static_argnames=("all_logits",))
         self.decode = jax.jit(self._decode, donate_argnums=(1, 2))
 
+    def param_leaves(self, params) -> tuple:
+        """The params as the steps take them: their arrays, flat; the structure is kept
+        (one model's steps serve one param structure)."""
+        leaves, tree = jax.tree.flatten(params)
+        if self.param_tree is not None and tree != self.param_tree:
+            raise ValueError("these steps were traced for params of another structure")
+        self.param_tree = tree
+        return tuple(leaves)
+
     def _forward(self, params, state, xstate, pool, tokens, start, valid, logits_at):
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, params))
         E = self.executor
 
         def experts(layer, x, ids, w, ok, st):

@@ -72,19 +72,24 @@ class Telemetry:
             host = jax.device_get([c for _, _, c in self._pending])
         except Exception:  # a failed step's codes carry its error: fold the others, drop those
             host = [_readable(c) for _, _, c in self._pending]
+        folded = []
         for (phase, step, _), codes in zip(self._pending, host):
             if codes is None:
                 self.failed_steps += 1
                 continue
             codes = np.asarray(codes)
-            per_expert = np.stack([np.sum(codes == c, axis=0, dtype=np.int64) for c in range(5)])  # [5, E]
-            self.by_expert = per_expert if self.by_expert is None else self.by_expert + per_expert
+            folded.append(codes)
             if self.keep_records != 0:
                 if self._ring.maxlen is not None and len(self._ring) == self._ring.maxlen:
                     self.dropped += 1
                 self._ring.append(Record(phase, step, codes))
             else:
                 self.dropped += 1
+        for shape in {c.shape for c in folded}:  # one count per shape of codes: [P, ..., E] -> [5, E]
+            stacked = np.stack([c for c in folded if c.shape == shape])
+            per_expert = np.stack([np.sum(stacked == c, axis=tuple(range(stacked.ndim - 1)), dtype=np.int64)
+                                   for c in range(5)])
+            self.by_expert = per_expert if self.by_expert is None else self.by_expert + per_expert
         self._pending.clear()
 
     def records(self) -> list[Record]:
