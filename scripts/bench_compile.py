@@ -10,7 +10,7 @@ prefill_compile_s / decode_compile_s are XLA's backend compile seconds inside th
 tracing and lowering are counted apart as trace_lower_s), first_ttft_s the wall time
 of that first append (cold_read_s: the cache reads among them). The benchmark gives JAX an empty cache folder of its own (a
 folder the user's earlier runs filled would turn compiles into reads), so these are
-cold compiles; then, after `jax.clear_caches()`, a second model of the same checkpoint
+cold compiles; then a new process (a restarted server) loads the same checkpoint and
 reads them back: restart_ttft_s / restart_decode_s (first append / first two decode
 tokens) and restart_trace_lower_s / restart_read_s (cache_retrieval_time_sec). The
 folder serves the whole run, so a later line's cold numbers read back the few small
@@ -27,8 +27,10 @@ programs every policy shares (a new state, the first token's sampling).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,13 +39,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import monitoring  # noqa: E402
 
 import ftjax  # noqa: E402
 from ftjax.bench.models import default_model_with_layers  # noqa: E402
 from ftjax.compilation import use_folder  # noqa: E402
+from ftjax.model import DEFAULT_MODEL_DIR  # noqa: E402
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 BACKEND = "/jax/core/compile/backend_compile_duration"
@@ -63,7 +65,10 @@ def _measure(fn) -> tuple[float, float, float, float]:
 
 
 def first_calls(path, policy: str, prompt: list[int], threads: int, slots: int) -> dict:
-    """A new model of `path`: its first prompt and first decode tokens, measured."""
+    """A new model of `path`: its first prompt and first decode tokens, measured. Models
+    of earlier calls are collected first: their host pools' registered ids go back, and
+    this model's programs hold the id a new process's first model gets (the lowest)."""
+    gc.collect()
     kw = {} if policy in ("device", "host") else dict(cache_slots=slots, bandwidth=(1.0, 2.0))
     model = ftjax.load(path, policy=policy, threads=threads, **kw)
     s = model.session()
@@ -82,17 +87,33 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, nargs="+", default=None,
                     help="the default model made this many layers deep (each a new line); not with --model")
+    ap.add_argument("--child", nargs=4, metavar=("PATH", "POLICY", "SLOTS", "VOCAB"), help=argparse.SUPPRESS)
     add_allow_dirty_argument(ap)
     args = ap.parse_args()
+    if args.child:  # the restarted process: the cache folder comes in FTJAX_COMPILE_CACHE
+        path, policy, slots, vocab = args.child
+        prompt = np.random.default_rng(0).integers(0, int(vocab), args.prompt).tolist()
+        print(json.dumps(first_calls(path, policy, prompt, args.threads, int(slots))))
+        return
     check_clean_or_exit(args.allow_dirty)
     with tempfile.TemporaryDirectory() as tmp:
-        use_folder(Path(tmp) / "xla")  # cold: no program of an earlier run
+        folder = use_folder(Path(tmp) / "xla")  # cold: no program of an earlier run
         for layers in args.layers or [None]:
             path = args.model if layers is None else default_model_with_layers(layers, Path(tmp) / f"L{layers}")
-            run(args, path, layers)
+            run(args, str(path or DEFAULT_MODEL_DIR), layers, folder)
 
 
-def run(args, path, layers: int | None) -> None:
+def restarted(args, path: str, policy: str, slots: int, vocab: int, folder: str) -> dict:
+    """first_calls in a new process reading `folder`."""
+    cmd = [sys.executable, __file__, "--child", path, policy, str(slots), str(vocab), "--prompt", str(args.prompt),
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, env={**os.environ, "FTJAX_COMPILE_CACHE": folder}, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the restarted process failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(args, path: str, layers: int | None, folder: str) -> None:
     probe = ftjax.load(path)
     cfg = probe.config
     slots = max(1, cfg.num_moe_layers * cfg.num_experts // 4)
@@ -100,8 +121,7 @@ def run(args, path, layers: int | None) -> None:
     del probe
     for policy in args.policies:
         cold = first_calls(path, policy, prompt, args.threads, slots)
-        jax.clear_caches()  # in-memory programs gone: the next model reads the persistent cache
-        restart = first_calls(path, policy, prompt, args.threads, slots)
+        restart = restarted(args, path, policy, slots, cfg.vocab_size, folder)
         pre, dec = cold["compile"]
         print(json.dumps({"bench": "compile", **commit_info(), "machine": machine_info(),
                           "model": args.model or "default", "layers": layers or cfg.num_layers, "policy": policy,
