@@ -483,11 +483,16 @@ def batch_tables(run: Run):
 def compile_tables(run: Run):
     lines = run.bench("compile")
     rows, heads = [], []
-    for x in sorted(lines, key=lambda x: (str(x.get("model")), x.get("prompt_tokens") or 0, x.n)):
-        rows.append([Text(f"`{x.get('model')}`, `{x.get('policy')}`, {x.get('prompt_tokens')}-token prompt"),
-                     Value(x.get("prefill_compile_s"), x), Value(x.get("decode_compile_s"), x),
-                     Value(x.get("first_ttft_s"), x)])
-        if x.get("model") == "default" and x.get("policy") == "lru":
+    restarts = any(x.get("restart_ttft_s") is not None for x in lines)
+    for x in sorted(lines, key=lambda x: (str(x.get("model")), x.get("layers") or 0, x.get("prompt_tokens") or 0, x.n)):
+        depth = f", {x.get('layers')} layers" if x.get("layers") else ""
+        row = [Text(f"`{x.get('model')}`{depth}, `{x.get('policy')}`, {x.get('prompt_tokens')}-token prompt"),
+               Value(x.get("prefill_compile_s"), x), Value(x.get("decode_compile_s"), x),
+               Value(x.get("first_ttft_s"), x)]
+        if restarts:
+            row += [Value(x.get("restart_ttft_s"), x), Value(x.get("restart_read_s"), x)]
+        rows.append(row)
+        if x.get("model") == "default" and x.get("policy") == "lru" and x.get("layers") in (None, 6):
             heads.append(Headline(f"A fresh model's first prompt, embedded model, `lru`: XLA compile of the prompt / "
                                   f"first TTFT; {machine_name([x])}, {run.name[:10]}",
                                   Joined((Value(x.get("prefill_compile_s"), x), Value(x.get("first_ttft_s"), x)),
@@ -495,6 +500,8 @@ def compile_tables(run: Run):
     if not rows:
         return [], []
     header = ["model, policy, prompt", "prompt compile s", "first decode step compile s", "first TTFT s"]
+    if restarts:
+        header += ["first TTFT s, restarted process", "cache reads s, restarted process"]
     return [Table(run.name, header, rows, run)], heads
 
 
@@ -853,7 +860,10 @@ QUESTIONS = [
              "`scripts/bench_processes.py --model DIR | tail -1 >> docs/results/processes/DATE/processes.jsonl`"),
     Question("compile", "Compile time of a fresh model",
              "XLA backend compile seconds of a fresh model's first prompt and first decode step, and the wall time of "
-             "that first prompt (`scripts/bench_compile.py`; no persistent compilation cache).",
+             "that first prompt, in an empty compilation-cache folder (`scripts/bench_compile.py`); where the run has "
+             "them, the first prompt of a restarted process reading those programs back from the cache and the "
+             "seconds of those reads. `N layers`: the embedded model made N layers deep "
+             "(`ftjax.bench.models.default_model_with_layers`), for compile time against depth.",
              [compile_tables],
              "`scripts/bench_compile.py`"),
 ]
