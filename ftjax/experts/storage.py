@@ -746,8 +746,10 @@ def empty_cache(pool_parts: dict, slots: int) -> dict[str, np.ndarray]:
 
 
 def take_expert(parts: dict, layer, e) -> dict[str, jax.Array]:
-    """Expert (layer, e) of a pool pytree [Lm, E, ...] -> [1, ...] per part (traced ids)."""
-    return {k: jax.lax.dynamic_slice_in_dim(a[layer], e, 1) for k, a in parts.items()}
+    """Expert (layer, e) of a pool pytree [Lm, E, ...] -> [1, ...] per part (traced ids:
+    one slice of the pool, never a copy of the layer)."""
+    return {k: jax.lax.dynamic_slice(a, (layer, e) + (0,) * (a.ndim - 2), (1, 1) + a.shape[2:])[0]
+            for k, a in parts.items()}
 
 
 def put_expert(cache: dict, expert: dict, slot) -> dict[str, jax.Array]:

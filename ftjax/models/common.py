@@ -62,6 +62,8 @@ class DenseMLP(nnx.Module):
         return linear(jax.nn.silu(linear(x, self.w_gate[...])) * linear(x, self.w_up[...]), self.w_down[...])
 
 
+# The routers are jitted: traced and lowered once for all the layers (as ops.rms_norm).
+@partial(jax.jit, static_argnames=("top_k", "normalize"))
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """Softmax-then-top-k routing. logits [N, E] -> ids [N, K] int32, weights [N, K] f32."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -71,6 +73,7 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return ids.astype(jnp.int32), weights
 
 
+@partial(jax.jit, static_argnames=("top_k", "n_group", "topk_group", "normalize", "scale"))
 def route_sigmoid_group(logits: jax.Array, bias: jax.Array, top_k: int, n_group: int, topk_group: int,
                         normalize: bool, scale: float) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3 routing (`noaux_tc`). logits [N, E], bias [E] (e_score_correction_bias)

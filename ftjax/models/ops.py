@@ -20,6 +20,7 @@ Letters as in `ftjax.models.common`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -148,6 +149,9 @@ def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
+# rms_norm and apply_rope are jitted: a step traces and lowers each once for all the
+# layers that call it with the same shapes (XLA inlines the calls; the program is the same).
+@functools.partial(jax.jit, static_argnames=("eps", "offset"))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMS-normalise the last axis and scale by (offset + weight): offset 1 is the
     zero-centred form of Qwen3-Next / Qwen3.5 (computed in f32 there, as HF does)."""
@@ -204,6 +208,7 @@ def yarn_inv_freq(dim: int, theta: float, y: RopeScaling) -> np.ndarray:
     return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
+@jax.jit
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, T, heads, hd]; rotate-half convention (as HF) over the first rd dims
     (rd = cos.shape[-1]); the rest pass through."""
