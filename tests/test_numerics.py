@@ -56,3 +56,30 @@ def test_fast_keeps_perplexity_and_greedy_tokens(models, host_models, policy):
                 for c in CHATS]
     for ids in prompts:
         assert fast.generate(ids, 32) == exact.generate(ids, 32), tok.decode(ids)
+
+
+def _logits_after_two_histories(numerics: str):
+    """The same prompt's logits with a cleared expert cache and after another prompt's
+    generation changed what is cached (`lru`: hits run on the device, misses on the host)."""
+    m = ftjax.load(policy="lru", cache_slots=24, bandwidth=(1.0, 4.0), calibrate=False, numerics=numerics)
+    ids = np.random.default_rng(1).integers(0, 4000, 40).tolist()
+    m.clear_expert_cache()
+    first = m.logits(ids)
+    m.generate(np.random.default_rng(2).integers(0, 4000, 60).tolist(), 8)
+    return m, first, m.logits(ids)
+
+
+def test_exact_logits_do_not_depend_on_the_expert_cache_history():
+    _, first, again = _logits_after_two_histories("exact")
+    np.testing.assert_allclose(again, first, atol=1e-4)
+
+
+@pytest.mark.xfail(strict=True, reason="known: under fast numerics a missed expert's prompt runs on the host's bf16 "
+                   "tiles (activations rounded to bf16), a cached one in XLA with f32 activations, so logits depend "
+                   "on what was cached (up to ~0.12 on the default model); the device half should round as the "
+                   "tiles do")
+def test_fast_logits_do_not_depend_on_the_expert_cache_history():
+    m, first, again = _logits_after_two_histories("fast")
+    if "bf16" not in str(m.stats().get("host_isa")) and "amx" not in str(m.stats().get("host_isa")):
+        pytest.skip(f"the host experts run in f32 here ({m.stats().get('host_isa')}): nothing is rounded")
+    np.testing.assert_allclose(again, first, atol=1e-4)
