@@ -8,9 +8,9 @@ One JSON line per (model, layers, policy) on stdout (commit, machine, settings, 
 prefill_compile_s / decode_compile_s are XLA's backend compile seconds inside the first
 `Session.append` and the first decode step (jax.monitoring's compile events, so
 tracing and lowering are counted apart as trace_lower_s), first_ttft_s the wall time
-of that first append (cold_read_s: the cache reads among them). The benchmark gives JAX an empty cache folder of its own (a
-folder the user's earlier runs filled would turn compiles into reads), so these are
-cold compiles; then a new process (a restarted server) loads the same checkpoint and
+of that first append (cold_read_s: the cache reads among them). The benchmark gives
+JAX an empty cache folder of its own (a folder the user's earlier runs filled would turn
+compiles into reads), so these are cold compiles; then a new process (a restarted server) loads the same checkpoint and
 reads them back: restart_ttft_s / restart_decode_s (first append / first two decode
 tokens) and restart_trace_lower_s / restart_read_s (cache_retrieval_time_sec). The
 folder serves the whole run, so a later line's cold numbers read back the few small

@@ -35,9 +35,9 @@ def decode_weight_bytes(model) -> tuple[int, int]:
     return dense, cfg.top_k * cfg.num_moe_layers * model.checkpoint.pool.expert_bytes
 
 
-def _variant(folder: Path, config_changes: dict, own_files: tuple[str, ...] = ()) -> tuple[Path, dict]:
+def _variant(folder: Path, config_changes: dict, own_files: tuple[str, ...] = ()) -> Path:
     """A new (or empty) folder linking the default model's files but config.json (written
-    with `config_changes`) and `own_files` (the caller writes them) -> (folder, config)."""
+    with `config_changes`) and `own_files` (the caller writes them) -> its path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for f in DEFAULT_MODEL_DIR.iterdir():
@@ -45,14 +45,14 @@ def _variant(folder: Path, config_changes: dict, own_files: tuple[str, ...] = ()
             (folder / f.name).symlink_to(f)
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()) | config_changes
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder, config
+    return folder
 
 
 def default_model_with_context(context: int, folder: Path) -> Path:
     """Write the folder (new or empty) -> its path."""
     if not isinstance(context, int) or context < 2:
         raise ValueError(f"context must be an integer >= 2, got {context!r}")
-    return _variant(folder, {"max_position_embeddings": context})[0]
+    return _variant(folder, {"max_position_embeddings": context})
 
 
 def default_model_with_layers(layers: int, folder: Path) -> Path:
@@ -64,7 +64,7 @@ def default_model_with_layers(layers: int, folder: Path) -> Path:
     if not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
     base = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
-    folder, _ = _variant(folder, {"num_hidden_layers": layers}, own_files=("model.safetensors",))
+    folder = _variant(folder, {"num_hidden_layers": layers}, own_files=("model.safetensors",))
     tensors = {}
     for name, value in load_file(DEFAULT_MODEL_DIR / "model.safetensors").items():
         prefix, _, rest = name.partition("model.layers.")

@@ -3,9 +3,9 @@
 Both are `jax.jit` over the split NNX state (`nnx.merge` inside the trace; calling
 `nnx.jit` per token costs ~10x more dispatch), taken as the flat tuple of its arrays
 (`param_leaves`): JAX flattens a tuple of arrays in C++, an NNX state through Python
-callbacks (~50 us a call on the default model's 56 params). The layers' state (a tuple of per-layer
-pytrees, `models.common.init_state`) and the executor state are donated, so they update
-in place; the host pool view is a plain (read-only) argument. Shapes are bucketed by
+callbacks (~50 us a call on the default model's 56 params). The layers' state (a tuple
+of per-layer pytrees, `models.common.init_state`) and the executor state are donated, so
+they update in place; the host pool view is a plain (read-only) argument. Shapes are bucketed by
 the caller, so each program compiles once per (batch, token bucket, state capacity).
 
 Every row of a batch carries its own position: `start [B]` for prefill, `pos [B]` for

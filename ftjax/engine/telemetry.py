@@ -85,10 +85,9 @@ class Telemetry:
                 self._ring.append(Record(phase, step, codes))
             else:
                 self.dropped += 1
-        for shape in {c.shape for c in folded}:  # one count per shape of codes: [P, ..., E] -> [5, E]
-            stacked = np.stack([c for c in folded if c.shape == shape])
-            per_expert = np.stack([np.sum(stacked == c, axis=tuple(range(stacked.ndim - 1)), dtype=np.int64)
-                                   for c in range(5)])
+        if folded:  # one count over the fold's steps: codes [P, Lm, E] -> [5, E]
+            stacked = np.stack(folded)
+            per_expert = np.stack([np.sum(stacked == c, axis=(0, 1), dtype=np.int64) for c in range(5)])
             self.by_expert = per_expert if self.by_expert is None else self.by_expert + per_expert
         self._pending.clear()
 
