@@ -48,7 +48,7 @@ import numpy as np
 
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
-from ftjax.experts.storage import FORMATS, bf16_bits_to_f32, format_of, part_formats, \
+from ftjax.experts.storage import FORMATS, Format, bf16_bits_to_f32, format_of, on_bf16_tiles, part_formats, \
     to_bf16_bits
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
@@ -233,6 +233,24 @@ def tile_kind(dtype: str, isa: Isa) -> str | None:
     vector form passed its self-check: the exact path's int8 activations and sums), or None
     (the exact kernels always); host_kernels/amx.cc `amx_tiles_for`."""
     return _hk.amx_tile_kind(resolve_isa(isa).value, WEIGHT_TYPE_CODES[dtype]) or None
+
+
+def expert_formats(dtype: str, isa: Isa, d_model: int, d_ff: int, num_tokens: int) -> dict[str, Format]:
+    """The part formats (`part_formats`) of `dtype` experts as the host kernel computes an
+    expert FFN call of num_tokens tokens under isa: a prompt call on the bf16 tiles rounds
+    weights and activations to bf16 (`on_bf16_tiles`), as AVX512_BF16 rounds every
+    activation meeting bf16 weights; every other call (decode under the tile ISAs, the
+    exact ISAs, the int8 tiles, whose activations are the exact path's) computes what the
+    plain formats say. A model's device half computes with the same formats (whatever its
+    policy), so where an expert runs changes a result only by the order of its f32 sums
+    (which bf16 rounding downstream can turn into ~1e-2 in the logits; 0.12 when the
+    device half kept f32 activations)."""
+    fmts = part_formats(dtype)
+    if rounds_activations_to_bf16(isa):
+        return {part: on_bf16_tiles(f) if f.name == "bfloat16" else f for part, f in fmts.items()}
+    if not takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype):
+        return fmts
+    return {part: on_bf16_tiles(f) if tile_kind(f.name, isa) == "bf16" else f for part, f in fmts.items()}
 
 
 def attention_takes_tiles(isa: Isa, num_tokens: int, head_dim: int) -> bool:
@@ -539,6 +557,11 @@ class HostExecutor:
     @property
     def num_threads(self) -> int:
         return self._threads.num_threads
+
+    def formats_for(self, num_tokens: int) -> dict[str, Format]:
+        """The part formats as this executor's kernel computes a call of num_tokens tokens
+        (`expert_formats`)."""
+        return expert_formats(self.pool.dtype, self.isa, self.pool.d_model, self.pool.d_ff, num_tokens)
 
     def expert_ffn(self, x, layer, ids, weights, *, boundary: Boundary | str | None = None) -> jax.Array:
         """y [T, D] f32 = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); ids < 0 are skipped.

@@ -23,6 +23,7 @@ batched step per token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -530,8 +531,11 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
 
     host_fn = host = calibration = None
     expert_options = fam.executor_options(cfg) if hasattr(fam, "executor_options") else {}  # e.g. a SwiGLU clamp
+    from ftjax.host import HostExecutor, expert_formats, expert_isa
+    # every policy's device half computes a record as the host kernel would (fast: prompts
+    # on the bf16 tiles round to bf16), so results never depend on where experts ran
+    formats_for = functools.partial(expert_formats, pool.dtype, expert_isa(numerics), pool.d_model, pool.d_ff)
     if pol.name != "device":
-        from ftjax.host import HostExecutor, expert_isa
         host = HostExecutor(pool, threads=threads, isa=expert_isa(numerics),
                             swiglu_limit=expert_options.get("swiglu_limit"))
         host_fn = host.expert_ffn
@@ -548,7 +552,7 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         else None
     executor = make_executor(pol, num_layers=cfg.num_moe_layers, num_experts=cfg.num_experts, slots=slots,
                              transfer_ratio=ratio, host_fn=host_fn, frequency=frequency, weight_format=pool.dtype,
-                             host_pair=pair, **expert_options)
+                             host_pair=pair, formats_for=formats_for, **expert_options)
     if placement.mesh is not None:
         from ftjax.experts.parallel import ExpertParallel
         executor = ExpertParallel(executor, placement, frequency)
@@ -566,7 +570,6 @@ def load(path: str | Path | None = None, *, policy: str = "device", cache_slots:
         raise ValueError(f"max_seq_len must be in 2..{cfg.max_position} (the model's context, "
                          f"max_position_embeddings), got {max_seq_len!r}")
     max_len = max_seq_len or cfg.max_position
-    from ftjax.host import expert_isa
     dense_isa = expert_isa(numerics)  # fast: prefill's dense products on AMX tiles too
     streamed = StreamedPrefill(graphdef, executor, cfg.moe_layers, threads, dense_isa) \
         if pol.name != "device" and streamable and placement.mesh is None else None

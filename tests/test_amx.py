@@ -167,6 +167,42 @@ def test_the_model_takes_tiles_under_fast_numerics_only(monkeypatch):
     assert ftjax.load(policy="host").stats()["host_isa"] == "scalar"
 
 
+ROUNDING_ISAS = [*TILE_ISAS, pytest.param(Isa.AVX512_BF16, marks=pytest.mark.skipif(
+    Isa.AVX512_BF16 not in available_isas(), reason="no AVX512-BF16 here"), id="avx512_bf16")]
+
+
+@pytest.mark.parametrize("isa", ROUNDING_ISAS)
+@pytest.mark.parametrize("num_tokens", [40, AMX_MIN_TOKENS - 1])
+def test_the_device_half_rounds_as_the_host_kernel_does(isa, num_tokens):
+    """`host.expert_formats`: the formats the device FFN computes a record with are those
+    the host kernel computes it with — bf16-rounded activations for a prompt on the tiles
+    (and for every call under AVX512_BF16), the plain formats for a decode-sized call on
+    the tiles — so an expert's output does not depend on where it ran (beyond f32
+    summation order and the rare bf16 step of a value at a rounding boundary)."""
+    import jax.numpy as jnp
+
+    from ftjax.experts.executor import device_ffn
+    from ftjax.experts.storage import flat_rows, part_formats
+
+    rng = np.random.default_rng(num_tokens)
+    pool = make_pool(rng, 2, 6, 128, 64, "bfloat16")
+    x, ids, weights = make_batch(rng, num_tokens, 4, 128, pool.num_experts)
+    fmts = host.expert_formats("bfloat16", isa, 128, 64, num_tokens)
+    rounds = isa is Isa.AVX512_BF16 or num_tokens >= AMX_MIN_TOKENS
+    assert (fmts == part_formats("bfloat16")) != rounds
+    flat = flat_rows({"gate_up": jnp.asarray(pool.gate_up), "down": jnp.asarray(pool.down)})
+    layer = 1
+    rows = jnp.asarray(np.where(ids >= 0, layer * pool.num_experts + ids, -1))
+    y_host = HostExecutor(pool, threads=2, isa=isa).expert_ffn_numpy(x, layer, ids, weights)
+    y_dev, y_plain = (np.asarray(device_ffn(flat["gate_up"], flat["down"], jnp.asarray(x), rows, jnp.asarray(weights),
+                                            fmt=f)) for f in (fmts, part_formats("bfloat16")))
+    scale = max(1.0, float(np.abs(y_host).max()))
+    np.testing.assert_allclose(y_dev, y_host, rtol=0, atol=1e-3 * scale)
+    assert np.mean(np.abs(y_dev - y_host) > 2e-5 * scale) < 0.01
+    if rounds:  # the plain formats (f32 activations) are what the device half computed before
+        assert np.abs(y_plain - y_host).max() > 10 * np.abs(y_dev - y_host).max()
+
+
 # ---- int8: Q8_0 experts on AMX-INT8 or the VNNI vector form -------------------------------------
 
 

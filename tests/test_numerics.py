@@ -74,14 +74,11 @@ def test_exact_logits_do_not_depend_on_the_expert_cache_history():
     np.testing.assert_allclose(again, first, atol=1e-4)
 
 
-# where numerics="fast" prefills the host experts with bf16-rounded activations (host.expert_isa)
-FAST_ROUNDS = ftjax.host.expert_isa("fast") != ftjax.host.Isa.AUTO
-
-
-@pytest.mark.xfail(FAST_ROUNDS, strict=True, reason="known: under fast numerics a missed expert's prompt runs on "
-                   "the host's bf16 tiles (activations rounded to bf16), a cached one in XLA with f32 activations, so "
-                   "logits depend on what was cached (up to ~0.12 on the default model); the device half should "
-                   "round as the tiles do")
 def test_fast_logits_do_not_depend_on_the_expert_cache_history():
+    """Under fast a prompt's host experts may run on the bf16 tiles; the device half rounds
+    as they do (`host.expert_formats`), so a placement changes only the order of f32 sums,
+    which the bf16 roundings downstream (activations, K/V) turn into ~1e-2 in the logits
+    (the default model: 0.014, the device against the host policy 0.018). A device half
+    with f32 activations gave 0.12."""
     first, again = _logits_after_two_histories("fast")
-    np.testing.assert_allclose(again, first, atol=1e-4)
+    np.testing.assert_allclose(again, first, atol=0.04)

@@ -399,11 +399,17 @@ class Executor:
     def __init__(self, policy: Policy, *, num_layers: int, num_experts: int, slots: int,
                  transfer_ratio: float, host_fn: HostFn | None, residents: np.ndarray | None = None,
                  weight_format: str = "float32", swiglu_limit: float | None = None,
-                 host_pair: tuple[Callable, Callable, Callable] | None = None):
+                 host_pair: tuple[Callable, Callable, Callable] | None = None,
+                 formats_for: Callable[[int], dict[str, Format]] | None = None):
         self.policy, self.num_layers, self.num_experts = policy, num_layers, num_experts
         self.swiglu_limit = swiglu_limit  # clamped SwiGLU on the device (the host_fn must clamp alike)
         self.weight_format = weight_format
         self.fmt = part_formats(weight_format)
+        # a record of N tokens -> the part formats its device half computes with: those the
+        # host kernel computes that record with (`HostExecutor.formats_for`: a prompt on the
+        # bf16 tiles rounds to bf16 under numerics="fast"), so that which experts were
+        # cached never changes a result; None: the plain formats always
+        self._formats_for = formats_for
         self.slots = slots if policy.uses_slots else 0
         if policy.uses_slots and not 1 <= self.slots <= num_layers * num_experts:
             raise ValueError(f"cache_slots must be in 1..{num_layers * num_experts} for policy {policy.name!r}, got {slots}")
@@ -415,6 +421,10 @@ class Executor:
         self.host_pair = host_pair
         self.q_of_misses = q_table(policy, num_experts, transfer_ratio)  # [E+1] (the initial table)
         self.residents = residents if residents is not None else np.zeros(0, np.int32)
+
+    def formats(self, num_tokens: int) -> dict[str, Format]:
+        """The part formats the device half of a record of num_tokens tokens computes with."""
+        return self._formats_for(num_tokens) if self._formats_for is not None else self.fmt
 
     def max_fetch(self, assignments: int, capacity: int) -> int:
         """Static bound on the experts one record of `assignments` can fetch: the
@@ -474,7 +484,7 @@ class Executor:
             flat = flat_rows(pool)  # [Lm*E, ...]: no copy
             rows = jnp.where(ids >= 0, layer * E + ids, -1)
             y = device_ffn(flat["gate_up"], flat["down"], x, rows, weights, row_range=(layer * E, E),
-                           fmt=self.fmt, limit=self.swiglu_limit)
+                           fmt=self.formats(x.shape[0]), limit=self.swiglu_limit)
             return y, {**state, "codes": state["codes"].at[layer].set(jnp.where(sel, HIT, 0).astype(jnp.int8))}
         if self.policy.name == "host":
             y = self._host_part(x, layer, ids, weights)
@@ -515,7 +525,8 @@ class Executor:
             token = start(x, jnp.int32(layer), host_ids, weights)
             expert, dev_rows = after_start(token, expert), after_start(token, dev_rows)
         cache = copy_in(state["cache"], pool, layer, expert, victim, n_copies)
-        y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.fmt, limit=self.swiglu_limit)
+        y = device_ffn(cache["gate_up"], cache["down"], x, dev_rows, weights, fmt=self.formats(x.shape[0]),
+                       limit=self.swiglu_limit)
         if self.host_pair is None:
             y = y + self._host_part(x, layer, host_ids, weights).astype(y.dtype)
         else:
@@ -541,14 +552,15 @@ class Executor:
         safe = jnp.maximum(ids, 0)
         y = jnp.zeros_like(x)
         hit = jnp.zeros_like(sel)
+        fmt = self.formats(x.shape[0])
         if self.policy.uses_slots and state["id_of_slot"].shape[0] > 0:
             slot = state["slot_of"][layer * self.num_experts + jnp.arange(self.num_experts)]
             hit = sel & (slot >= 0)
             rows = jnp.where((ids >= 0) & hit[safe], slot[safe], -1)
-            y = device_ffn(state["cache"]["gate_up"], state["cache"]["down"], x, rows, weights, fmt=self.fmt,
+            y = device_ffn(state["cache"]["gate_up"], state["cache"]["down"], x, rows, weights, fmt=fmt,
                            limit=self.swiglu_limit)
         rows = jnp.where((ids >= 0) & ~hit[safe], ids, -1)
-        y = y + device_ffn(block["gate_up"], block["down"], x, rows, weights, fmt=self.fmt, limit=self.swiglu_limit)
+        y = y + device_ffn(block["gate_up"], block["down"], x, rows, weights, fmt=fmt, limit=self.swiglu_limit)
         codes = jnp.where(hit, HIT, jnp.where(sel, STREAMED, 0)).astype(jnp.int8)
         return y, {**state, "codes": state["codes"].at[layer].set(codes)}
 
@@ -556,8 +568,10 @@ class Executor:
 def make_executor(policy: Policy, *, num_layers: int, num_experts: int, slots: int, transfer_ratio: float,
                   host_fn: HostFn | None, frequency: np.ndarray | None = None,
                   weight_format: str = "float32", swiglu_limit: float | None = None,
-                  host_pair: tuple[Callable, Callable, Callable] | None = None) -> Executor:
+                  host_pair: tuple[Callable, Callable, Callable] | None = None,
+                  formats_for: Callable[[int], dict[str, Format]] | None = None) -> Executor:
     residents = static_residents(policy, slots, num_layers, num_experts, frequency)
     return Executor(policy, num_layers=num_layers, num_experts=num_experts, slots=slots,
                     transfer_ratio=transfer_ratio, host_fn=host_fn, residents=residents,
-                    weight_format=weight_format, swiglu_limit=swiglu_limit, host_pair=host_pair)
+                    weight_format=weight_format, swiglu_limit=swiglu_limit, host_pair=host_pair,
+                    formats_for=formats_for)

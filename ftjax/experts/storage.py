@@ -127,6 +127,7 @@ Letters: Lm MoE layers, E experts, D model dim, F expert FFN dim, S slots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -618,13 +619,19 @@ class Format:
     # values per int8 block of the activations meeting these weights (the host kernels'
     # quantiser, kernels.h act_block: 32, 256 for the K super-blocks; 0: float32 as given)
     act_block: int = 0
+    # activations rounded to bf16 instead (`on_bf16_tiles`: a prompt on the bf16 tiles)
+    act_bf16: bool = False
 
     def act(self, x: jax.Array) -> jax.Array:
         """The activations these weights meet, as every path computes them (XLA)."""
+        if self.act_bf16:
+            return rounded_to_bf16(x)
         return act_q8(x, self.act_block) if self.act_block else x
 
     def act_numpy(self, x: np.ndarray) -> np.ndarray:
         """numpy twin of `act`."""
+        if self.act_bf16:
+            return bf16_bits_to_f32(to_bf16_bits(np.asarray(x, np.float32)))
         return act_q8_numpy(x, self.act_block) if self.act_block else x
 
     def row_bytes(self, n: int) -> int:
@@ -670,6 +677,27 @@ FORMATS: dict[str, Format] = {
     "fp8_e4m3": Format("fp8_e4m3", np.dtype(np.uint8), FP8_BYTES / FP8_BLOCK, _fp8_e4m3_to_f32, dequantise_fp8_e4m3,
                        quantise_fp8_e4m3, FP8_BLOCK, FP8_BYTES),
 }
+
+
+def rounded_to_bf16(x: jax.Array) -> jax.Array:
+    """float32 values rounded to the nearest bf16 (ties to even), as float32 (XLA)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def on_bf16_tiles(fmt: Format) -> Format:
+    """`fmt` as the host kernels' bf16 tiles multiply it in a prompt call (numerics="fast",
+    `ftjax.host.tile_kind` "bf16"): the weights widened to bf16 (bf16 ones are already;
+    a block format's dequantised values rounded to bf16, host_kernels/dequant.h) and the
+    activations rounded to bf16 (x before gate / up, the SwiGLU product before down).
+    The device half of such a record computes with it, so a prompt's result does not
+    depend on which of its experts were cached (one object per format: a static
+    argument of the jitted FFN)."""
+    widen = fmt.to_f32 if fmt.name == "bfloat16" else \
+        (lambda w, to_f32=fmt.to_f32: rounded_to_bf16(to_f32(w)))
+    return dataclasses.replace(fmt, name=f"{fmt.name}@bf16_tiles", to_f32=widen, act_bf16=True)
+
+
 BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.block > 1)
 _BY_STORAGE = {f.storage: f for f in FORMATS.values() if f.block == 1}
 
