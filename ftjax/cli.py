@@ -220,6 +220,7 @@ def _generate(model, ids, args, load_s: float) -> str:
     summary = {
         "prompt_tokens": g.prompt_tokens, "new_tokens": g.new_tokens, "ttft_s": round(g.ttft_s, 4),
         "decode_tok_per_s": round(g.decode_tok_per_s, 2), "first_step_s": round(g.first_step_s, 4),
+        "reshape_steps": g.reshape_steps, "reshape_s": round(g.reshape_s, 4),
         "stop_reason": g.stop_reason, "load_s": round(load_s, 3),
         "policy": stats["policy"], "hits": stats["hits"], "misses": stats["misses"],
         "fetched": stats["fetched"], "host_computed": stats["host_computed"], "streamed": stats.get("streamed", 0),
@@ -229,8 +230,9 @@ def _generate(model, ids, args, load_s: float) -> str:
         print(json.dumps({"text": text, **summary}), flush=True)
     else:
         print(f"[{g.prompt_tokens} prompt tokens, TTFT {g.ttft_s * 1e3:.0f} ms, {g.new_tokens} new tokens, "
-              f"{g.decode_tok_per_s:.1f} tok/s decode (steady; first step {g.first_step_s * 1e3:.0f} ms, "
-              f"compile included on first use), stop: {g.stop_reason}; policy {stats['policy']}: "
+              f"{g.decode_tok_per_s:.1f} tok/s decode (steady; first step {g.first_step_s * 1e3:.0f} ms"
+              + (f", {g.reshape_steps} step(s) at a larger state {g.reshape_s * 1e3:.0f} ms" if g.reshape_steps else "")
+              + f": compile included on first use), stop: {g.stop_reason}; policy {stats['policy']}: "
               f"{_cache_split(stats)}]", file=sys.stderr, flush=True)
     return text
 

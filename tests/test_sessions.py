@@ -164,3 +164,24 @@ def test_decode_speed_leaves_out_the_compiling_first_step():
     assert g.decode_tok_per_s == pytest.approx(8 / 0.5)  # 9 decode steps, the first (compile) apart
     assert GenerationStats(new_tokens=2, decode_s=0.5, first_step_s=0.5).decode_tok_per_s == pytest.approx(2.0)
     assert GenerationStats(new_tokens=1).decode_tok_per_s == 0.0
+    # a later step at a larger state (it compiled) is left out too
+    g = GenerationStats(new_tokens=10, decode_s=1.0, first_step_s=0.5, reshape_steps=1, reshape_s=0.3)
+    assert g.decode_tok_per_s == pytest.approx(7 / 0.2)
+
+
+def test_a_generation_that_outgrows_its_capacity_counts_that_step_apart():
+    """7 prompt tokens + 130 new cross the first capacity bucket: the step at the larger
+    state (a new program: compiled or read back) is counted in reshape_steps / reshape_s,
+    out of the steady rate, and nowhere else."""
+    from ftjax.engine.shapes import MIN_CAPACITY
+
+    m = ftjax.load()
+    session = m.session()
+    session.generate(MIN_CAPACITY + 2, prompt=list(range(1, 8)))
+    g = session.last_generation
+    assert g.new_tokens == MIN_CAPACITY + 2 and g.stop_reason == "length"
+    assert g.reshape_steps == 1 and 0 < g.reshape_s < g.decode_s - g.first_step_s
+    steady = (g.new_tokens - 3) / (g.decode_s - g.first_step_s - g.reshape_s)
+    assert g.decode_tok_per_s == pytest.approx(steady)
+    session.generate(4)  # the same capacity: no new shape
+    assert session.last_generation.reshape_steps == 0

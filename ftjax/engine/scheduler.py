@@ -129,6 +129,10 @@ class Job:
     cancelled: bool = False
     new_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the state cache, not prefilled
+    # decode steps after its first that ran at a new batched-state shape (rows, capacity):
+    # each runs a program of that shape, compiled or read back on first use; and their seconds
+    reshape_steps: int = 0
+    reshape_s: float = 0.0
     outcome: str | None = None  # the reason it ended, once it has
     error: Exception | None = None  # the exception behind an "error: ..." outcome, when one raised
     idle: bool = False  # a prefill into the state cache at low priority, no token (`submit_idle`)
@@ -208,6 +212,7 @@ class Scheduler:
         self._rows: list[_Row | None] = []  # [Bp]
         self._state = None  # batched per-layer state [Bp, ..., S, ...]
         self._cap = 0
+        self._step_shape: tuple[int, int] | None = None  # (rows, capacity) of the last decode step
         self._counts = collections.Counter()
         self.accepting = True
         self.degraded: str | None = None  # why the engine cannot serve, while it cannot
@@ -750,8 +755,15 @@ class Scheduler:
         out, logits, self._state = m.decode_step(state, tokens, pos, active, keys, counters, temperature,
                                                  top_k, top_p, bias)
         ids = np.asarray(out)  # the one host sync per step
-        m.add_time(decode_s=time.perf_counter() - t0, decode_tokens=len(live))
+        dt = time.perf_counter() - t0
+        m.add_time(decode_s=dt, decode_tokens=len(live))
         self._counts["steps"] += 1
+        reshaped, self._step_shape = (Bp, self._cap) != self._step_shape, (Bp, self._cap)
+        if reshaped:
+            for b in live:  # a row's own first decode step is its first_step_s already
+                if rows[b].job.new_tokens >= 2:
+                    rows[b].job.reshape_steps += 1
+                    rows[b].job.reshape_s += dt
         with self.replica.batched() if self.leading else contextlib.nullcontext():  # the rows' answers: one record
             for b in live:
                 r = rows[b]

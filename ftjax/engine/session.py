@@ -69,14 +69,20 @@ class GenerationStats:
     ttft_s: float = 0.0  # first token: prefill (+ compile on first use) + first sample
     decode_s: float = 0.0  # every decode step after the first token
     first_step_s: float = 0.0  # the first decode step alone (includes its compile on first use)
+    # later decode steps at a new state shape (the capacity grew a bucket, or the batch
+    # took more rows): each runs a program of that shape, compiled or read back from the
+    # persistent cache on first use; and their seconds (part of decode_s)
+    reshape_steps: int = 0
+    reshape_s: float = 0.0
     stop_reason: str = ""
 
     @property
     def decode_tok_per_s(self) -> float:
-        """Steady decode speed: tokens after the first decode step over their time (the
-        first step, which compiles the program on first use, is `first_step_s`)."""
-        n = self.new_tokens - 2
-        t = self.decode_s - self.first_step_s
+        """Steady decode speed: tokens after the first decode step over their time, the
+        steps at a new state shape left out (the first step is `first_step_s`, the others
+        `reshape_s`: on first use they compile)."""
+        n = self.new_tokens - 2 - self.reshape_steps
+        t = self.decode_s - self.first_step_s - self.reshape_s
         if n > 0 and t > 0:
             return n / t
         n = self.new_tokens - 1
@@ -407,10 +413,15 @@ def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: 
                 id=f"api-{id(s):x}", session=s, step_logits=step_logits[b]) for b, s in enumerate(sessions)]
     for job in jobs:
         scheduler.submit(job)
+    def note_reshapes():
+        for s, job in zip(sessions, jobs):
+            s.last_generation.reshape_steps, s.last_generation.reshape_s = job.reshape_steps, job.reshape_s
+
     try:
         while any(j.outcome is None for j in jobs):
             with scheduler.lock:
                 scheduler.step()
+            note_reshapes()
             while out:
                 yield out.popleft()
     finally:
@@ -420,6 +431,7 @@ def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: 
             while any(j.outcome is None for j in jobs):
                 with scheduler.lock:
                     scheduler.step()
+        note_reshapes()
         for s in sessions:
             g = s.last_generation
             spent = dict(decode_s=g.decode_s, decode_tokens=max(g.new_tokens - 1, 0))
