@@ -80,16 +80,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_pass(const ARows& a, cons
 }
 
 // tile_pass in the vector form (AmxTiles::kBf16Vector): the pass's rows (16 or 32) eight
-// at a time against its one or two token blocks, 8 x J zmm accumulators. Step (tile kb,
+// at a time against J = 1, 2 or 3 token blocks, 8 x J zmm accumulators. Step (tile kb,
 // pair p): each token block's row p of B (16 tokens' values 32 kb + 2p, + 1) is one load;
 // each weight row's same pair is broadcast, and vdpbf16ps adds its two products into
-// every token's lane.
-template <bool kTwoTokenBlocks>
+// every token's lane. A broadcast feeds J products, so one block alone runs at about half
+// the rate: an odd count of blocks ends with three together (amx_dots).
+template <int kBlocks>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void vector_pass(const ARows& a, int64_t num_rows,
                                                                           const char* b, int64_t block_bytes,
                                                                           int64_t K, float* out,
                                                                           int64_t out_stride) {
-  constexpr int kRows = 8, kBlocks = kTwoTokenBlocks ? 2 : 1;
+  constexpr int kRows = 8;
   const int64_t tiles = K / kAmxK;
   for (int64_t m0 = 0; m0 < num_rows; m0 += kRows) {
     const char* row[kRows];  // row m's pair p of tile kb: row[m] + kb * tile_step + 4 p
@@ -294,19 +295,25 @@ void amx_dots(AmxTiles kind, WeightType w, const void* rows, int64_t row_bytes, 
         dequant_bf16(w, base + (r0 + r) * row_bytes, K, reinterpret_cast<uint16_t*>(copy + r * 64), kATileBytes / 2);
       a = ARows{copy, 64, kATileBytes, kTileBytes};
     }
-    for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+    for (int64_t b0 = 0; b0 < blocks;) {
       const char* b = b_base + b0 * block_bytes;
       float* o = out + r0 * out_stride + b0 * kAmxRows;
       if (vector) {
-        if (blocks - b0 >= 2) vector_pass<true>(a, nr, b, block_bytes, K, o, out_stride);
-        else vector_pass<false>(a, nr, b, block_bytes, K, o, out_stride);
-      } else if (blocks - b0 >= 2) {
+        const int64_t left = blocks - b0;
+        if (left == 3) vector_pass<3>(a, nr, b, block_bytes, K, o, out_stride);
+        else if (left >= 2) vector_pass<2>(a, nr, b, block_bytes, K, o, out_stride);
+        else vector_pass<1>(a, nr, b, block_bytes, K, o, out_stride);
+        b0 += left == 3 ? 3 : 2;
+        continue;
+      }
+      if (blocks - b0 >= 2) {
         if (nr == kAmxPass) tile_pass<true, true>(a, b, block_bytes, K, o, stride_bytes);
         else tile_pass<false, true>(a, b, block_bytes, K, o, stride_bytes);
       } else {
         if (nr == kAmxPass) tile_pass<true, false>(a, b, block_bytes, K, o, stride_bytes);
         else tile_pass<false, false>(a, b, block_bytes, K, o, stride_bytes);
       }
+      b0 += 2;
     }
   }
 }
