@@ -246,6 +246,7 @@ def expert_formats(dtype: str, isa: Isa, d_model: int, d_ff: int, num_tokens: in
     (which bf16 rounding downstream can turn into ~1e-2 in the logits; 0.12 when the
     device half kept f32 activations)."""
     fmts = part_formats(dtype)
+    isa = call_isa(resolve_isa(isa))
     if rounds_activations_to_bf16(isa):
         return {part: on_bf16_tiles(f) if f.name == "bfloat16" else f for part, f in fmts.items()}
     if not takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype):
@@ -303,21 +304,35 @@ def default_boundary(platform: str | None = None) -> Boundary:
 
 _DENSE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ftjax_dense_threads", default=None)
 _DENSE_ISA: contextvars.ContextVar[Isa] = contextvars.ContextVar("ftjax_dense_isa", default=Isa.AUTO)
+_PROMPT: contextvars.ContextVar[bool] = contextvars.ContextVar("ftjax_prompt_program", default=True)
 
 
 @contextlib.contextmanager
-def dense_settings(threads: int | None, isa: Isa = Isa.AUTO):
+def dense_settings(threads: int | None, isa: Isa = Isa.AUTO, prompt: bool = True):
     """Within this block, `linear` traced into a program uses `threads` workers (None:
     every core the process may run on) and, unless a call names one, `isa` (AMX_BF16:
     calls of >= 16 tokens on AMX tiles, `linear_takes_tiles`). A loaded model traces its
     steps inside it, so `load(threads=N)` caps the dense kernel as well as the expert
-    kernels, and numerics="fast" puts its prefill's dense products on the tiles too."""
-    threads_token, isa_token = _DENSE_THREADS.set(threads), _DENSE_ISA.set(isa)
+    kernels, and numerics="fast" puts its prefill's dense products on the tiles too.
+    prompt=False: a decode program, whose host calls never take the tiles whatever their
+    row count (`call_isa`), so a session's decode numerics do not depend on how many
+    other rows share its batch."""
+    tokens = _DENSE_THREADS.set(threads), _DENSE_ISA.set(isa), _PROMPT.set(prompt)
     try:
         yield
     finally:
-        _DENSE_THREADS.reset(threads_token)
-        _DENSE_ISA.reset(isa_token)
+        for var, token in zip((_DENSE_THREADS, _DENSE_ISA, _PROMPT), tokens):
+            var.reset(token)
+
+
+def call_isa(isa: Isa) -> Isa:
+    """The ISA a host call traced now runs with: `isa`, except that in a decode program
+    (`dense_settings(prompt=False)`) a tile ISA gives way to `auto_isa` (exact). The
+    kernels take the tiles for calls of >= 16 rows, and a decode batch can have that
+    many: measured on the default model under fast, a session decoding in a batch of 16
+    drifted from its decode alone by 0.009-0.016 in the logits and changed its greedy
+    tokens after 13 steps (a batch of 4: 1e-4)."""
+    return auto_isa() if not _PROMPT.get() and isa in tile_isas() else isa
 
 
 def dense_threads() -> int:
@@ -412,7 +427,7 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
         isa = isa if isa is not Isa.AUTO else dense_isa()
         y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
-                 isa=np.int32(resolve_isa(isa).value))
+                 isa=np.int32(call_isa(resolve_isa(isa)).value))
     else:
         y = fmt.act(x2) @ fmt.to_f32(w).T
     return y.reshape(*lead, N)
@@ -469,7 +484,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
     C++ kernel through XLA FFI (CPU backend; callable inside `jax.jit`). positions [B, T].
     isa AUTO: `dense_settings`' ISA; under AMX_BF16 a prompt chunk runs on the tiles
     (`attention_takes_tiles`: q, k, v and the softmax weights rounded to bf16)."""
-    isa = isa if isa is not Isa.AUTO else dense_isa()
+    isa = call_isa(resolve_isa(isa if isa is not Isa.AUTO else dense_isa()))
     _register_ffi_targets()
     call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
@@ -604,13 +619,15 @@ class HostExecutor:
         call = jax.ffi.ffi_call(FINISH_FFI_TARGET, jax.ShapeDtypeStruct(shape, jnp.float32), has_side_effect=True)
         return call(token, after)
 
-    def expert_ffn_numpy(self, x, layer, ids, weights, out: np.ndarray | None = None) -> np.ndarray:
-        """Same computation, called directly from numpy (no jit); releases the GIL."""
+    def expert_ffn_numpy(self, x, layer, ids, weights, out: np.ndarray | None = None,
+                         isa: Isa | None = None) -> np.ndarray:
+        """Same computation, called directly from numpy (no jit); releases the GIL. isa:
+        instead of the executor's own."""
         x = np.ascontiguousarray(x, np.float32)  # [T, D]
         y = np.empty_like(x) if out is None else out  # [T, D]
         _hk.expert_ffn(self.pool.gate_up, self.pool.down, int(layer), x,
                        np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(weights, np.float32),
-                       y, self._threads, self.isa.value, self._array_codes["gate_up"],
+                       y, self._threads, (isa or self.isa).value, self._array_codes["gate_up"],
                        self._array_codes["down"], float(self._limit))
         return y
 
@@ -621,7 +638,8 @@ class HostExecutor:
             num_layers=np.int64(p.num_layers), num_experts=np.int64(p.num_experts),
             d_model=np.int64(p.d_model), d_ff=np.int64(p.d_ff),
             dtype=np.int32(self._codes["gate_up"]), down_dtype=np.int32(self._codes["down"]),
-            swiglu_limit=self._limit, threads=np.int64(self._threads.num_threads), isa=np.int32(self.isa.value))
+            swiglu_limit=self._limit, threads=np.int64(self._threads.num_threads),
+            isa=np.int32(call_isa(self.isa).value))
 
     def _ffi_call(self, x, layer, ids, weights):
         _register_ffi_targets()
@@ -630,12 +648,13 @@ class HostExecutor:
 
     def _callback(self, x, layer, ids, weights):
         out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-        return jax.pure_callback(self._callback_host, out, x, layer, ids, weights)
+        host_fn = functools.partial(self._callback_host, isa=call_isa(self.isa))  # decided when traced
+        return jax.pure_callback(host_fn, out, x, layer, ids, weights)
 
-    def _callback_host(self, x, layer, ids, weights) -> np.ndarray:
+    def _callback_host(self, x, layer, ids, weights, isa: Isa) -> np.ndarray:
         start = time.perf_counter_ns()
         ids = np.asarray(ids)
-        y = self.expert_ffn_numpy(np.asarray(x), int(np.asarray(layer)), ids, np.asarray(weights))
+        y = self.expert_ffn_numpy(np.asarray(x), int(np.asarray(layer)), ids, np.asarray(weights), isa=isa)
         self._work += (1, time.perf_counter_ns() - start, np.unique(ids[ids >= 0]).size)
         return y
 

@@ -82,3 +82,28 @@ def test_fast_logits_do_not_depend_on_the_expert_cache_history():
     with f32 activations gave 0.12."""
     first, again = _logits_after_two_histories("fast")
     np.testing.assert_allclose(again, first, atol=0.04)
+
+
+def test_fast_decode_does_not_depend_on_the_batch():
+    """The host kernels take the tiles for calls of >= 16 rows, and a decode batch can have
+    that many: decode programs keep their host calls off the tiles (`host.call_isa`), so a
+    session's logits are the same alone as in a batch of 16 (with the tiles in decode they
+    drifted by 0.009-0.016 and changed its greedy tokens after 13 steps)."""
+    from ftjax.engine.scheduler import Job, Scheduler
+    from ftjax.engine.session import Sampling
+
+    m = ftjax.load(policy="host")  # fast: host experts (and dense products) on the tiles where the CPU has them
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 4000, 20).astype(np.int32) for _ in range(16)]
+
+    def first_job_logits(batch):
+        sch = Scheduler(m, max_batch=len(batch), prefill_chunk=256)
+        logs = [[] for _ in batch]
+        for p, log in zip(batch, logs):
+            sch.submit(Job(p, 32, Sampling(), on_token=lambda t: False, on_done=lambda r: None, step_logits=log))
+        while sch.busy():
+            sch.step()
+        assert sch.stats()["peak_active"] == len(batch)
+        return np.stack(logs[0])
+
+    np.testing.assert_allclose(first_job_logits(prompts), first_job_logits(prompts[:1]), atol=1e-3)

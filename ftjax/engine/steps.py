@@ -45,7 +45,7 @@ class Steps:
         self.param_tree = tree
         return tuple(leaves)
 
-    def _forward(self, params, state, xstate, pool, tokens, start, valid, logits_at):
+    def _forward(self, params, state, xstate, pool, tokens, start, valid, logits_at, prompt: bool = True):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, params))
         E = self.executor
 
@@ -53,7 +53,7 @@ class Steps:
             return E(layer, x, ids, w, ok, st, pool)
 
         xstate = {**xstate, "codes": E.fresh_codes()}
-        with host.dense_settings(self.threads, self.dense_isa):
+        with host.dense_settings(self.threads, self.dense_isa, prompt):  # decode: no tiles (host.call_isa)
             logits, state, xstate = model(tokens, start, valid, state, experts, xstate, logits_at)
         codes = E.merged_codes(xstate.pop("codes"))
         return logits, state, xstate, codes
@@ -73,7 +73,8 @@ class Steps:
         next token [B], logits [B, V] (before the bias). Row b samples with
         fold_in(keys[b], counters[b]) from its logits + its bias (ids / values [B, K])."""
         valid = active[:, None]  # [B, 1]
-        logits, state, xstate, codes = self._forward(params, state, xstate, pool, token[:, None], pos, valid, None)
+        logits, state, xstate, codes = self._forward(params, state, xstate, pool, token[:, None], pos, valid, None,
+                                                     prompt=False)
         logits = logits[:, 0]
         step_keys = jax.vmap(jax.random.fold_in)(keys, counters)
         nxt = sample(apply_bias(logits, bias_ids, bias_values), step_keys, temperature, top_k, top_p)

@@ -137,7 +137,7 @@ def _gemm_wins(x: jax.Array, shape: tuple[int, int], wtype: str) -> bool:
     29% of the samples)."""
     rows = math.prod(x.shape[:-1])
     return (rows >= PACKED_GEMM_MIN_TOKENS and 4 * math.prod(shape) <= PACKED_GEMM_MAX_BYTES
-            and not host.linear_takes_tiles(host.dense_isa(), rows, shape[0], shape[1], wtype))
+            and not host.linear_takes_tiles(host.call_isa(host.dense_isa()), rows, shape[0], shape[1], wtype))
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
