@@ -49,7 +49,7 @@ import numpy as np
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
 from ftjax.experts.storage import FORMATS, Format, bf16_bits_to_f32, format_of, on_bf16_tiles, part_formats, \
-    to_bf16_bits
+    round_to_bf16  # noqa: F401 (round_to_bf16: part of this module's API)
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,
@@ -246,7 +246,7 @@ def expert_formats(dtype: str, isa: Isa, d_model: int, d_ff: int, num_tokens: in
     (which bf16 rounding downstream can turn into ~1e-2 in the logits; 0.12 when the
     device half kept f32 activations)."""
     fmts = part_formats(dtype)
-    isa = call_isa(resolve_isa(isa))
+    isa = call_isa(isa)
     if rounds_activations_to_bf16(isa):
         return {part: on_bf16_tiles(f) if f.name == "bfloat16" else f for part, f in fmts.items()}
     if not takes_amx_tiles(isa, num_tokens, d_model, d_ff, dtype):
@@ -282,11 +282,6 @@ def dequant_bf16(w: np.ndarray, wtype: str, simd: bool = True) -> np.ndarray:
     out = np.empty((w.shape[0], fmt.row_len(w.shape[1] // fmt.storage.itemsize)), np.uint16)
     _hk.dequant_bf16(w, WEIGHT_TYPE_CODES[wtype], out, simd)
     return out
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest bf16 (ties to even), as float32."""
-    return bf16_bits_to_f32(to_bf16_bits(np.asarray(x, np.float32)))
 
 
 def default_threads() -> int:
@@ -326,12 +321,13 @@ def dense_settings(threads: int | None, isa: Isa = Isa.AUTO, prompt: bool = True
 
 
 def call_isa(isa: Isa) -> Isa:
-    """The ISA a host call traced now runs with: `isa`, except that in a decode program
+    """The ISA a host call traced now runs with: `isa` (AUTO resolved), except that in a decode program
     (`dense_settings(prompt=False)`) a tile ISA gives way to `auto_isa` (exact). The
     kernels take the tiles for calls of >= 16 rows, and a decode batch can have that
     many: measured on the default model under fast, a session decoding in a batch of 16
     drifted from its decode alone by 0.009-0.016 in the logits and changed its greedy
     tokens after 13 steps (a batch of 4: 1e-4)."""
+    isa = resolve_isa(isa)
     return auto_isa() if not _PROMPT.get() and isa in tile_isas() else isa
 
 
@@ -427,7 +423,7 @@ def linear(x: jax.Array, w: jax.Array, *, wtype: str | None = None, boundary: Bo
         call = jax.ffi.ffi_call(LINEAR_FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32))
         isa = isa if isa is not Isa.AUTO else dense_isa()
         y = call(x2, w, wtype=np.int32(WEIGHT_TYPE_CODES[fmt.name]), threads=np.int64(dense_threads()),
-                 isa=np.int32(call_isa(resolve_isa(isa)).value))
+                 isa=np.int32(call_isa(isa).value))
     else:
         y = fmt.act(x2) @ fmt.to_f32(w).T
     return y.reshape(*lead, N)
@@ -484,12 +480,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, kv
     C++ kernel through XLA FFI (CPU backend; callable inside `jax.jit`). positions [B, T].
     isa AUTO: `dense_settings`' ISA; under AMX_BF16 a prompt chunk runs on the tiles
     (`attention_takes_tiles`: q, k, v and the softmax weights rounded to bf16)."""
-    isa = call_isa(resolve_isa(isa if isa is not Isa.AUTO else dense_isa()))
+    isa = call_isa(isa if isa is not Isa.AUTO else dense_isa())
     _register_ffi_targets()
     call = jax.ffi.ffi_call(ATTENTION_FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(jnp.asarray(q, jnp.float32), k, v, jnp.asarray(positions, jnp.int32), jnp.asarray(kv_len, jnp.int32),
                 window=np.int64(window), threads=np.int64(dense_threads()),
-                isa=np.int32(resolve_isa(isa).value))
+                isa=np.int32(isa.value))
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
@@ -572,11 +568,6 @@ class HostExecutor:
     @property
     def num_threads(self) -> int:
         return self._threads.num_threads
-
-    def formats_for(self, num_tokens: int) -> dict[str, Format]:
-        """The part formats as this executor's kernel computes a call of num_tokens tokens
-        (`expert_formats`)."""
-        return expert_formats(self.pool.dtype, self.isa, self.pool.d_model, self.pool.d_ff, num_tokens)
 
     def expert_ffn(self, x, layer, ids, weights, *, boundary: Boundary | str | None = None) -> jax.Array:
         """y [T, D] f32 = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); ids < 0 are skipped.

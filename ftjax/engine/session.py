@@ -413,6 +413,7 @@ def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: 
                 id=f"api-{id(s):x}", session=s, step_logits=step_logits[b]) for b, s in enumerate(sessions)]
     for job in jobs:
         scheduler.submit(job)
+
     def note_reshapes():
         for s, job in zip(sessions, jobs):
             s.last_generation.reshape_steps, s.last_generation.reshape_s = job.reshape_steps, job.reshape_s

@@ -406,7 +406,7 @@ class Executor:
         self.weight_format = weight_format
         self.fmt = part_formats(weight_format)
         # a record of N tokens -> the part formats its device half computes with: those the
-        # host kernel computes that record with (`HostExecutor.formats_for`: a prompt on the
+        # host kernel computes that record with (`ftjax.host.expert_formats`: a prompt on the
         # bf16 tiles rounds to bf16 under numerics="fast"), so that which experts were
         # cached never changes a result; None: the plain formats always
         self._formats_for = formats_for

@@ -151,6 +151,12 @@ def to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return rounded
 
 
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even), as float32 (numpy twin
+    of `rounded_to_bf16`)."""
+    return bf16_bits_to_f32(to_bf16_bits(np.asarray(x, np.float32)))
+
+
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 bit pattern (uint16) -> float32, exact."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -631,7 +637,7 @@ class Format:
     def act_numpy(self, x: np.ndarray) -> np.ndarray:
         """numpy twin of `act`."""
         if self.act_bf16:
-            return bf16_bits_to_f32(to_bf16_bits(np.asarray(x, np.float32)))
+            return round_to_bf16(x)
         return act_q8_numpy(x, self.act_block) if self.act_block else x
 
     def row_bytes(self, n: int) -> int:
