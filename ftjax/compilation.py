@@ -15,8 +15,15 @@ A folder the process already gave JAX (`jax_compilation_cache_dir`, or
 `JAX_COMPILATION_CACHE_DIR`) is left as it is. Every program is written, the small ones
 too: a restarted process looks each one up anyway, and reading a small program back
 (~2 ms) beats compiling it (~10 ms; a restarted first prompt of 2,048 tokens on the
-default model has a handful of them). The folder is capped at MAX_BYTES, least recently
-used entries going first.
+default model has a handful of them).
+
+The folder is capped at MAX_BYTES by `prune`, once when a process turns the cache on:
+least recently used entries go first (a file's later of access and modification time;
+ext4's default `relatime` refreshes the access time of a read entry at least daily), down
+to PRUNE_TO of the cap. JAX's own cap (`jax_compilation_cache_max_size`) is left off: a
+process with it fails every write into a folder that a process without it has written to
+(it reads an `-atime` file beside each entry, and those have none), so a server sharing a
+folder with a plain JAX process compiled its prefill and decode programs in every start.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import jax
 log = logging.getLogger("ftjax")
 ENV = "FTJAX_COMPILE_CACHE"
 MIN_COMPILE_S = 0.0
+JAX_ATIME_SUFFIX = "-atime"  # what jax._src.lru_cache writes beside an entry under its own cap
 MAX_BYTES = 2 << 30
+PRUNE_TO = 0.75  # of MAX_BYTES, so that pruning is rare
 
 
 def default_folder() -> Path:
@@ -53,10 +62,49 @@ def enable_persistent_cache() -> str | None:
     return use_folder(folder)
 
 
-def use_folder(folder: str | Path) -> str:
-    """Cache every program in `folder` (replacing any folder set before) -> its path."""
+def use_folder(folder: str | Path, max_bytes: int = MAX_BYTES) -> str:
+    """Cache every program in `folder` (replacing any folder set before), pruned to
+    `max_bytes` -> its path."""
+    prune(folder, max_bytes)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return str(folder)
+
+
+def prune(folder: str | Path, max_bytes: int = MAX_BYTES) -> int:
+    """Delete the least recently used entries of a folder holding more than `max_bytes`,
+    down to PRUNE_TO of it -> bytes deleted. An entry is its program file plus JAX's
+    `-atime` file where one exists; an entry another process deletes first is skipped."""
+    entries: dict[str, list] = {}  # key -> [last use, bytes, paths]
+    try:
+        with os.scandir(folder) as listing:
+            for item in listing:
+                if not item.is_file() or item.name.startswith("."):
+                    continue
+                try:
+                    stat = item.stat()
+                except FileNotFoundError:
+                    continue
+                entry = entries.setdefault(item.name.removesuffix(JAX_ATIME_SUFFIX), [0.0, 0, []])
+                entry[0] = max(entry[0], stat.st_atime, stat.st_mtime)
+                entry[1] += stat.st_size
+                entry[2].append(item.path)
+    except FileNotFoundError:
+        return 0
+    total = sum(size for _, size, _ in entries.values())
+    if total <= max_bytes:
+        return 0
+    deleted = 0
+    for _, size, paths in sorted(entries.values(), key=lambda entry: entry[0]):
+        if total - deleted <= PRUNE_TO * max_bytes:
+            break
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        deleted += size
+    log.info("compilation cache %s: %.0f MB over %.0f MB, deleted the %.0f MB least recently used", folder,
+             total / 1e6, max_bytes / 1e6, deleted / 1e6)
+    return deleted

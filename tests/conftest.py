@@ -66,20 +66,31 @@ def pytest_configure(config):
     share its directory): a program compiled once — the same model built again by
     another test, the same step shapes — is loaded, not compiled again. The key is the
     whole program, so a hit is the same program (host-kernel programs too: they name the
-    expert pool by its registry id, not an address). FTJAX_TEST_XLA_CACHE=0 turns it off."""
+    expert pool by its registry id, not an address). The test processes use it as the CLI
+    and servers they start do (`ftjax.compilation.use_folder`), and the process that made
+    it (the xdist controller, or pytest alone) deletes it at the end.
+    FTJAX_TEST_XLA_CACHE=0 turns it off."""
     if os.environ.get("FTJAX_TEST_XLA_CACHE", "1") == "0":
         os.environ["FTJAX_COMPILE_CACHE"] = "0"  # nor in the CLI processes tests start
         return
     import tempfile
 
-    import jax
+    from ftjax.compilation import use_folder
 
     shared = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
     path = Path(tempfile.gettempdir()) / f"ftjax-test-xla-cache-{shared}"
     os.environ["FTJAX_COMPILE_CACHE"] = str(path)  # the CLI and servers the tests start use it too
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_folder(path)
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the run's owner
+        config._ftjax_xla_cache = path
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    path = getattr(config, "_ftjax_xla_cache", None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -26,8 +26,19 @@ def run(env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+PLAIN_JAX = """
+import jax, jax.numpy as jnp
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()
+"""
+
+
 def test_a_second_process_compiles_nothing_new(tmp_path):
+    """... also in a folder that a plain JAX process (no size cap) wrote to first."""
     folder = tmp_path / "xla"
+    subprocess.run([sys.executable, "-c", PLAIN_JAX], env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(folder)},
+                   check=True, timeout=120)
+    assert os.listdir(folder), "the plain JAX process wrote nothing"
     env = {"FTJAX_COMPILE_CACHE": str(folder)}
     first = run(env)
     entries = set(os.listdir(folder))
@@ -75,3 +86,29 @@ def test_default_model_made_deeper_repeats_its_layers(tmp_path):
     layers = deep._params["layers"]
     np.testing.assert_array_equal(np.asarray(layers[base.config.num_layers + 1]["attn"]["wq"][...]),
                                   np.asarray(layers[1]["attn"]["wq"][...]))
+
+
+def test_prune_deletes_the_least_recently_used_entries_down_to_a_share_of_the_cap(tmp_path):
+    from ftjax.compilation import PRUNE_TO, prune
+
+    def entry(name: str, size: int, last_use: float, atime_file: bool = False):
+        (tmp_path / name).write_bytes(b"x" * size)
+        os.utime(tmp_path / name, (last_use, last_use))
+        if atime_file:  # JAX's own timestamp beside an entry it wrote under its cap
+            (tmp_path / f"{name}-atime").write_bytes(b"12345678")
+            os.utime(tmp_path / f"{name}-atime", (last_use, last_use))
+
+    for i in range(10):  # 10 entries of 100 bytes, entry i last used at time 1000 + i
+        entry(f"jit_step-{i}-cache", 100, 1000.0 + i, atime_file=i % 2 == 0)
+    (tmp_path / ".lockfile").write_bytes(b"")
+    os.utime(tmp_path / "jit_step-0-cache", (5000.0, 900.0))  # read recently, written first: kept
+
+    assert prune(tmp_path, max_bytes=2000) == 0  # under the cap: nothing goes
+    assert len(os.listdir(tmp_path)) == 16
+    deleted = prune(tmp_path, max_bytes=800)
+    left = sorted(os.listdir(tmp_path))
+    assert deleted >= 1040 - PRUNE_TO * 800 and sum((tmp_path / n).stat().st_size for n in left) <= PRUNE_TO * 800
+    assert left == [".lockfile", "jit_step-0-cache", "jit_step-0-cache-atime", "jit_step-6-cache",
+                    "jit_step-6-cache-atime", "jit_step-7-cache", "jit_step-8-cache", "jit_step-8-cache-atime",
+                    "jit_step-9-cache"]
+    assert prune(tmp_path / "absent") == 0

@@ -24,7 +24,7 @@ from ftjax import distributed
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
 ENV.pop("XLA_FLAGS", None)  # one CPU device per process
-TIMEOUT_S = 20
+TIMEOUT_S = 10  # join and heartbeat: a dead peer is named this long after it dies
 
 
 def free_port() -> int:

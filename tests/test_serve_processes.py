@@ -22,7 +22,7 @@ import serving
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
 ENV.pop("XLA_FLAGS", None)  # one CPU device per process
-TIMEOUT_S = 20
+TIMEOUT_S = 10  # join and heartbeat: a dead peer is named this long after it dies
 
 
 SERVE = ("--policy", "lru", "--cache-slots", "8", "--bandwidth", "1", "1", "--numerics", "exact", "--max-batch", "4")
