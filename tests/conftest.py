@@ -61,6 +61,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+RUN_CACHE_ENV = "FTJAX_TEST_RUN_XLA_CACHE"  # the run's folder, set by the process that made it
+
+
 def pytest_configure(config):
     """One XLA compilation cache for the run (every xdist worker and the controller
     share its directory): a program compiled once — the same model built again by
@@ -77,12 +80,13 @@ def pytest_configure(config):
 
     from ftjax.compilation import use_folder
 
-    shared = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-    path = Path(tempfile.gettempdir()) / f"ftjax-test-xla-cache-{shared}"
-    os.environ["FTJAX_COMPILE_CACHE"] = str(path)  # the CLI and servers the tests start use it too
-    use_folder(path)
-    if not hasattr(config, "workerinput"):  # not an xdist worker: the run's owner
+    path = os.environ.get(RUN_CACHE_ENV)
+    if path is None:  # the run's first process: pytest alone, or xdist's controller before its workers start
+        path = tempfile.mkdtemp(prefix="ftjax-test-xla-cache-")
+        os.environ[RUN_CACHE_ENV] = path  # the workers inherit it
         config._ftjax_xla_cache = path
+    os.environ["FTJAX_COMPILE_CACHE"] = path  # the CLI and servers the tests start use it too
+    use_folder(path)
 
 
 def pytest_unconfigure(config):
