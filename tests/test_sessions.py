@@ -185,3 +185,16 @@ def test_a_generation_that_outgrows_its_capacity_counts_that_step_apart():
     assert g.decode_tok_per_s == pytest.approx(steady)
     session.generate(4)  # the same capacity: no new shape
     assert session.last_generation.reshape_steps == 0
+
+
+def test_a_stream_shows_its_first_token_before_the_first_decode_step():
+    """`generate_stream` yields the first token (sampled from the prompt's logits) before
+    the scheduler runs a decode step, which in a new process compiles or reads back its
+    program: at the first yield one token exists. The tokens are generate's."""
+    m = ftjax.load()
+    prompt = m.tokenizer.encode("It is a truth universally acknowledged")
+    session = m.session()
+    stream = session.generate_stream(6, prompt=prompt)
+    first = next(stream)
+    assert session.last_generation.new_tokens == 1
+    assert [first, *stream] == m.generate(prompt, 6)

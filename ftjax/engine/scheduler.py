@@ -78,7 +78,7 @@ import numpy as np
 from ftjax import distributed
 from ftjax.engine import replica
 from ftjax.engine.memory import DeviceMemoryError, consumed, tree_bytes
-from ftjax.engine.sampling import bias_arrays
+from ftjax.engine.sampling import bias_arrays, greedy_token, key_data
 from ftjax.engine.session import Sampling, _first_tokens
 from ftjax.engine.shapes import MIN_CAPACITY, bucket
 from ftjax.models.common import resize_state
@@ -360,10 +360,13 @@ class Scheduler:
         that had a request to serve."""
         return max(0.0, self._last_request_work + self.idle_grace_s - time.monotonic())
 
-    def step(self, decision: dict | None = None) -> None:
+    def step(self, decision: dict | None = None, *, decode_unless: Callable[[], bool] | None = None) -> None:
         """One iteration: take in what arrived, end cancelled and expired jobs, one prefill
         chunk, one decode step. A failure ends the jobs it touched and leaves the scheduler
-        serving. `decision`: on a follower process, the leader's `_sync` decision."""
+        serving. `decision`: on a follower process, the leader's `_sync` decision.
+        `decode_unless`: asked after the prefill part; True leaves the decode step to the
+        next iteration (the Python API's stream shows a first token before the decode step
+        that, in a new process, compiles)."""
         self._sync(decision)
         self._preempt_idle()
         if self._queue or any(self._rows) or (self._prefill is not None and not self._prefill.job.idle):
@@ -374,7 +377,7 @@ class Scheduler:
                     pass  # jobs that need no prefill (continued sessions, whole-prompt cache hits) join together
             except Exception as e:
                 self._failed("prefill", e, batch=self._state is not None and consumed(self._state))
-        if any(self._rows):
+        if any(self._rows) and not (decode_unless is not None and decode_unless()):
             try:
                 self._decode()
             except Exception as e:
@@ -610,14 +613,19 @@ class Scheduler:
         """First token from the prefill logits; then a row of the batch (unless done)."""
         job, session, m = p.job, p.session, self.model
         smp = job.sampling
-        key = np.asarray(jax.random.PRNGKey(smp.seed))  # host data: a step stacks the rows' keys in numpy
+        key = key_data(smp.seed)  # host data: a step stacks the rows' keys in numpy
         forced = collections.deque(job.forced)
         budget = min(job.max_new_tokens, m.max_seq_len - job.prompt.size)
+        greedy = not forced and smp.temperature == 0
+        logits = np.asarray(session._next_logits, np.float32)[0] if greedy or job.step_logits is not None else None
         if job.step_logits is not None:
-            job.step_logits.append(np.asarray(session._next_logits[0], np.float32))
+            job.step_logits.append(logits)
+        # greedy: the argmax on the host, as `_first_tokens` would give it, without its
+        # program (restarted default model, 2,000-token prompt: ~0.1 s of the first token)
+        tok = greedy_token(logits, job.bias()) if greedy else None
         if forced:
             tok = forced.popleft()
-        else:
+        elif tok is None:
             t, k, top_p = smp.rows(1)
             tok = int(np.asarray(_first_tokens(session._next_logits, key[None], np.zeros(1, np.int32), t, k, top_p,
                                                *bias_arrays([job.bias()], m.config.vocab_size)))[0])
@@ -719,7 +727,7 @@ class Scheduler:
             for Bp in self.buckets:
                 state = _put_row(m.new_state(Bp, cap), m.new_state(1, cap), 0)
                 zeros = np.zeros(Bp, np.int32)
-                keys = np.stack([np.asarray(jax.random.PRNGKey(0))] * Bp)  # host data, as `_decode` passes them
+                keys = np.stack([key_data(0)] * Bp)  # host data, as `_decode` passes them
                 out = m.decode_step(state, zeros, zeros, np.zeros(Bp, bool), keys, zeros, np.zeros(Bp, np.float32),
                                     zeros, np.ones(Bp, np.float32))
                 jax.block_until_ready(out[0])

@@ -109,9 +109,10 @@ class Sampling:
             raise ValueError(f"bad sampling setting: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
     def rows(self, batch: int):
-        """Per-row device arrays: temperature, top_k, top_p [batch]."""
-        return (jnp.full((batch,), self.temperature, jnp.float32), jnp.full((batch,), self.top_k, jnp.int32),
-                jnp.full((batch,), self.top_p, jnp.float32))
+        """Per-row host arrays (a step's operands; no eager program): temperature, top_k,
+        top_p [batch]."""
+        return (np.full((batch,), self.temperature, np.float32), np.full((batch,), self.top_k, np.int32),
+                np.full((batch,), self.top_p, np.float32))
 
 
 # ---- snapshots ---------------------------------------------------------------------------
@@ -418,10 +419,12 @@ def _run(sessions: list[Session], requested: int, sampling: Sampling, stop, t0: 
         for s, job in zip(sessions, jobs):
             s.last_generation.reshape_steps, s.last_generation.reshape_s = job.reshape_steps, job.reshape_s
 
+    first = stream  # streaming: the first token is yielded before the next decode step runs
     try:
         while any(j.outcome is None for j in jobs):
             with scheduler.lock:
-                scheduler.step()
+                scheduler.step(decode_unless=lambda: first and bool(out))
+            first = first and not out
             note_reshapes()
             while out:
                 yield out.popleft()
