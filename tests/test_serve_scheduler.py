@@ -70,3 +70,40 @@ def test_cancel_forced_and_banned(model):
         sch.step()
     assert out_b["tokens"][:2] == [7, 8] and after not in out_b["tokens"] and len(out_b["tokens"]) == 6
     assert sch.stats()["cancelled"] == 1 and not sch.busy()
+
+
+def test_a_prefill_alone_takes_large_chunks_and_one_beside_decoding_rows_small_ones(model, monkeypatch):
+    """While no row decodes, a request prefills in chunks of `solo_chunk` (nobody waits on
+    the step); beside decoding rows, and for idle work, in chunks of `prefill_chunk`. The
+    tokens are a lone generate's either way."""
+    from ftjax.engine import session as session_module
+
+    chunks = []
+    real_append = session_module.Session.append
+    monkeypatch.setattr(session_module.Session, "append",
+                        lambda self, ids: chunks.append(len(ids)) or real_append(self, ids))
+    exact = ftjax.load(numerics="exact")  # chunking changes no result beyond f32 summation order
+    prompts = [[int(t) for t in (np.arange(300) * k + k) % 4000] for k in (3, 5, 7)]  # no common prefix
+    want = [exact.generate(p, 6) for p in prompts[:2]]
+    from ftjax.engine.state_cache import StateCache
+
+    sch, log = Scheduler(exact, max_batch=2, prefill_chunk=64, state_cache=StateCache(exact, "prefix", 256 << 20, 0)), {}
+    assert sch.solo_chunk == 2048
+    chunks.clear()
+    a, out_a = _job(prompts[0], 6, Sampling(), log)
+    sch.submit(a)
+    sch.step()
+    assert chunks == [300]  # alone: one chunk
+    chunks.clear()
+    b, out_b = _job(prompts[1], 6, Sampling(), log)
+    sch.submit(b)
+    while sch.busy():
+        sch.step()
+    assert chunks == [64, 64, 64, 64, 44]  # beside a decoding row
+    assert [out_a["tokens"], out_b["tokens"]] == want
+    chunks.clear()
+    sch.idle_grace_s = 0.0
+    assert sch.submit_idle(np.asarray(prompts[2], np.int32))
+    while sch.busy():
+        sch.step()
+    assert len(chunks) >= 5 and max(chunks) == 64  # idle work: small chunks, so that a request waits little
