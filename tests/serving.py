@@ -61,3 +61,19 @@ def get_json(port: int, path: str):
     body = json.loads(conn.getresponse().read().decode())
     conn.close()
     return body
+
+
+def request(port: int, method: str, path: str, body=None, headers: dict | None = None):
+    """-> (status, decoded JSON or text). `body`: bytes as they are, anything else as JSON."""
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # a request that never ends fails here
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    try:
+        return r.status, json.loads(text)
+    except json.JSONDecodeError:
+        return r.status, text

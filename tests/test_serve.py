@@ -55,18 +55,7 @@ def ant(server):
     return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server}", api_key="unused", max_retries=0)
 
 
-def _raw(port, method, path, body=None, headers=None):
-    """-> (status, decoded JSON or text). `body`: bytes as they are, anything else as JSON."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
-    r = conn.getresponse()
-    text = r.read().decode()
-    conn.close()
-    try:
-        return r.status, json.loads(text)
-    except json.JSONDecodeError:
-        return r.status, text
+_raw = serving.request
 
 
 def _reference(model, messages, n, tools=None):
