@@ -49,7 +49,7 @@ import numpy as np
 from ftjax import _host_kernels as _hk
 from ftjax.experts.pool import HostExpertPool
 from ftjax.experts.storage import FORMATS, Format, bf16_bits_to_f32, format_of, on_bf16_tiles, part_formats, \
-    round_to_bf16  # noqa: F401 (round_to_bf16: part of this module's API)
+    round_to_bf16
 
 # The C++ kernels' code for each expert format (host_kernels/kernels.h WeightType).
 WEIGHT_TYPE_CODES = {"float32": _hk.DTYPE_F32, "bfloat16": _hk.DTYPE_BF16,

@@ -54,13 +54,7 @@ def server(*args: str, timeout_s: float = 120, env: dict | None = None):
 
 
 def get_json(port: int, path: str):
-    import json
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("GET", path)
-    body = json.loads(conn.getresponse().read().decode())
-    conn.close()
-    return body
+    return request(port, "GET", path)[1]
 
 
 def request(port: int, method: str, path: str, body=None, headers: dict | None = None):

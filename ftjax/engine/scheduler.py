@@ -625,16 +625,17 @@ class Scheduler:
         key = key_data(smp.seed)  # host data: a step stacks the rows' keys in numpy
         forced = collections.deque(job.forced)
         budget = min(job.max_new_tokens, m.max_seq_len - job.prompt.size)
-        greedy = not forced and smp.temperature == 0
+        greedy = smp.temperature == 0 and not forced
         logits = np.asarray(session._next_logits, np.float32)[0] if greedy or job.step_logits is not None else None
         if job.step_logits is not None:
             job.step_logits.append(logits)
-        # greedy: the argmax on the host, as `_first_tokens` would give it, without its
-        # program (restarted default model, 2,000-token prompt: ~0.1 s of the first token)
-        tok = greedy_token(logits, job.bias()) if greedy else None
         if forced:
             tok = forced.popleft()
-        elif tok is None:
+        else:
+            # greedy: the argmax on the host, as `_first_tokens` would give it, without its
+            # program (restarted default model, 2,000-token prompt: ~0.1 s of the first token)
+            tok = greedy_token(logits, job.bias()) if greedy else None
+        if tok is None:
             t, k, top_p = smp.rows(1)
             tok = int(np.asarray(_first_tokens(session._next_logits, key[None], np.zeros(1, np.int32), t, k, top_p,
                                                *bias_arrays([job.bias()], m.config.vocab_size)))[0])
