@@ -722,6 +722,25 @@ def processes_tables(run: Run):
     return [Table(run.name, header, rows, run)], []
 
 
+def mixed_tables(run: Run):
+    """`scripts/bench_mixed_prefill.py` lines: a long prompt's TTFT beside decoding rows per
+    prefill chunk, against the same prompt alone, and the decoding rows' inter-token gaps."""
+    rows = []
+    for x in run.bench("mixed_prefill"):
+        for r in x.get("rows") or []:
+            ttft, solo = Value(r["ttft_s"], x), Value(r["alone_ttft_s"], x)
+            gap = r["gap_ms"]
+            rows.append([Text(f"chunk {r['chunk']:,}: {x.get('prompt_tokens'):,}-token prompt beside "
+                              f"{x.get('decoding_rows')} decoding rows (context {x.get('context'):,})"),
+                         ttft, Joined(tuple(Value(v, x) for v in r["ttft_rounds_s"]), sep=", "), solo,
+                         Ratio(ttft, solo), Value(gap["p50"], x), Value(gap["p95"], x), Value(gap["max"], x)])
+    if not rows:
+        return [], []
+    header = ["prefill chunk, prompt", "TTFT s (median)", "TTFT s, every round", "the prompt alone: TTFT s",
+              "beside rows / alone (ratio)", "decoders' gap ms p50", "gap ms p95", "gap ms max"]
+    return [Table(run.name, header, rows, run)], []
+
+
 def decode_gaps(runs: list[Run]) -> list[str]:
     have = set()
     for run in runs:
@@ -858,6 +877,13 @@ QUESTIONS = [
              "the rates show the all-reduce between processes per MoE layer, not a speed-up.",
              [processes_tables],
              "`scripts/bench_processes.py --model DIR | tail -1 >> docs/results/processes/DATE/processes.jsonl`"),
+    Question("mixed", "Prefill beside decoding rows",
+             "The scheduler prefills a prompt one chunk per iteration, each followed by a decode step of the rows "
+             "already decoding (`scripts/bench_mixed_prefill.py`, the embedded model at a declared context, warm): "
+             "per `--prefill-chunk`, the new prompt's time to first token with rows decoding and alone (no row "
+             "decodes: the solo chunk), and the decoding rows' gaps between tokens while it prefills.",
+             [mixed_tables],
+             "`scripts/bench_mixed_prefill.py | tail -1 >> docs/results/mixed/DATE/mixed.jsonl`"),
     Question("compile", "Compile time of a fresh model",
              "XLA backend compile seconds of a fresh model's first prompt and first decode step, and the wall time of "
              "that first prompt, in an empty compilation-cache folder (`scripts/bench_compile.py`); where the run has "
