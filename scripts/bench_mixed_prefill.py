@@ -47,6 +47,22 @@ def tokens(n: int, seed: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(10, vocab - 10, n).astype(np.int32)
 
 
+def first_token_time(sched, prompt: np.ndarray) -> float:
+    """Submit `prompt` for one token and step until it ends -> seconds to that token."""
+    from ftjax.engine.scheduler import Job
+    from ftjax.engine.session import Sampling
+
+    first: list[float] = []
+    t0 = time.perf_counter()
+    job = Job(prompt, 1, Sampling(), lambda tok: first.append(time.perf_counter()) and False, lambda reason: None)
+    sched.submit(job)
+    while job.outcome is None:
+        sched.step()
+    if not first:
+        raise SystemExit(f"bench_mixed_prefill: the prompt ended without a token ({job.outcome})")
+    return first[0] - t0
+
+
 def run_round(sched, rows: int, prompt: np.ndarray, seed: int, vocab: int) -> dict:
     """Start `rows` decoders, then time `prompt` beside them -> ttft_s, gaps (ms), tokens."""
     from ftjax.engine.scheduler import Job
@@ -56,39 +72,26 @@ def run_round(sched, rows: int, prompt: np.ndarray, seed: int, vocab: int) -> di
     decoders = []
     for i in range(rows):
         job = Job(tokens(64, seed * 100 + i, vocab), 1 << 20, Sampling(),
-                  lambda tok, s=stamps[i]: s.append(time.perf_counter()) and False, lambda reason: None)
+                  lambda tok, s=stamps[i]: s.append(time.perf_counter()) and False, lambda reason: None,
+                  banned=frozenset(sched.eos))  # they decode until cancelled
         sched.submit(job)
         decoders.append(job)
     while min(len(s) for s in stamps) < 2:  # every row decodes
         sched.step()
-    first: list[float] = []
     t0 = time.perf_counter()
     for s in stamps:
         s.clear()
         s.append(t0)
-    job = Job(prompt, 1, Sampling(), lambda tok: first.append(time.perf_counter()) and False, lambda reason: None)
-    sched.submit(job)
-    while job.outcome is None:
-        sched.step()
+    ttft = first_token_time(sched, prompt)
+    if any(d.outcome is not None for d in decoders):
+        raise SystemExit(f"bench_mixed_prefill: a decoding row ended during the prefill "
+                         f"({[d.outcome for d in decoders]})")
     gaps = [1e3 * g for s in stamps for g in np.diff(s)]
     for d in decoders:
         sched.cancel(d)
     while any(d.outcome is None for d in decoders):
         sched.step()
-    return {"ttft_s": first[0] - t0, "gaps_ms": gaps, "decode_tokens": sum(len(s) - 1 for s in stamps)}
-
-
-def alone(sched, prompt: np.ndarray) -> float:
-    from ftjax.engine.scheduler import Job
-    from ftjax.engine.session import Sampling
-
-    first: list[float] = []
-    t0 = time.perf_counter()
-    job = Job(prompt, 1, Sampling(), lambda tok: first.append(time.perf_counter()) and False, lambda reason: None)
-    sched.submit(job)
-    while job.outcome is None:
-        sched.step()
-    return first[0] - t0
+    return {"ttft_s": ttft, "gaps_ms": gaps, "decode_tokens": sum(len(s) - 1 for s in stamps)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -107,9 +110,9 @@ def measure(a) -> list[dict]:
         for chunk in a.chunks:
             sched = Scheduler(model, max_batch=a.rows + 1, prefill_chunk=chunk)
             run_round(sched, a.rows, tokens(a.prompt, 7, vocab), 0, vocab)  # compiles what the rounds run
-            alone(sched, tokens(a.prompt, 8, vocab))
+            first_token_time(sched, tokens(a.prompt, 8, vocab))
             rounds = [run_round(sched, a.rows, tokens(a.prompt, 10 + r, vocab), r + 1, vocab) for r in range(a.rounds)]
-            solo = [alone(sched, tokens(a.prompt, 50 + r, vocab)) for r in range(a.rounds)]
+            solo = [first_token_time(sched, tokens(a.prompt, 50 + r, vocab)) for r in range(a.rounds)]
             gaps = [g for r in rounds for g in r["gaps_ms"]]
             out.append({"chunk": chunk, "ttft_s": round(statistics.median(r["ttft_s"] for r in rounds), 3),
                         "ttft_rounds_s": [round(r["ttft_s"], 3) for r in rounds],
