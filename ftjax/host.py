@@ -690,9 +690,12 @@ def memory_kind_of(tree) -> str | None:
 
 def read_bandwidth_samples(threads: int | None = None, num_bytes: int = 256 << 20,
                            repeats: int = 5, isa: Isa = Isa.AUTO) -> list[float]:
-    """GB/s of each of `repeats` passes summing a `num_bytes` buffer with `threads`
-    workers (after a warm-up pass): the read bandwidth that a kernel streaming expert
-    weights cannot beat."""
+    """GB/s of each of `repeats` rounds summing a `num_bytes` buffer with `threads`
+    workers: the read bandwidth that a kernel streaming expert weights should not beat. A
+    round reads the buffer once per stream count of the probe (each worker's chunk as 1,
+    2, 4 and 8 sequential streams side by side: `_hk.sum_streams`) and keeps the fastest,
+    since how many streams a core keeps in flight decides what it reads (after a warm-up
+    pass of each)."""
     pool = _hk.ThreadPool(threads or default_threads())
     return list(_hk.read_bandwidth_gbps(pool, num_bytes, repeats, resolve_isa(isa).value))
 

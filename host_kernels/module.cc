@@ -290,6 +290,13 @@ std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, in
   return read_bandwidth_gbps(threads, num_bytes, repeats, static_cast<Isa>(isa));
 }
 
+float py_sum_streams(nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, int streams,
+                     int isa) {
+  const Kernels* kernels = select_kernels(static_cast<Isa>(isa));
+  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available");
+  return sum_streams(*kernels, data.data(), static_cast<int64_t>(data.shape(0)), streams);
+}
+
 }  // namespace
 }  // namespace ftjax
 
@@ -345,7 +352,9 @@ NB_MODULE(_host_kernels, m) {
         "PyCapsule of the decode-attention XLA FFI handler (CPU platform).");
   m.def("read_bandwidth_gbps", &py_read_bandwidth, "threads"_a.none(),
         "num_bytes"_a = int64_t(256) << 20, "repeats"_a = 5, "isa"_a = 0,
-        "GB/s of each timed pass summing a num_bytes buffer.");
+        "GB/s of each timed round summing a num_bytes buffer (the best of its stream counts).");
+  m.def("sum_streams", &py_sum_streams, "data"_a, "streams"_a, "isa"_a = 0,
+        "Sum of a float32 vector read as `streams` sequential streams side by side (the probe's read).");
   m.def("ffi_expert_ffn", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertFfn)); },
         "PyCapsule of the XLA FFI handler (CPU platform).");
   m.def("ffi_expert_start", [] { return nb::capsule(reinterpret_cast<void*>(FtjaxExpertStart)); },

@@ -187,6 +187,23 @@ def test_read_bandwidth_probe_positive(isa):
     assert read_bandwidth_gbps(threads=2, num_bytes=4 << 20, repeats=2, isa=isa) > 0
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
+def test_the_probes_streams_read_every_value_once(isa):
+    """The probe reads a chunk as 1-8 streams side by side, a 4 KiB piece of each in turn
+    (`sum_streams`): every value counts once, whatever the length (a remainder past the
+    equal parts, parts shorter than a piece, an empty range)."""
+    from ftjax.host import _hk
+
+    rng = np.random.default_rng(3)
+    for n in (0, 5, 1000, 1024 * 8, 262144, 262144 + 37):
+        x = rng.standard_normal(n).astype(np.float32)
+        for streams in (1, 2, 3, 4, 8):
+            got = _hk.sum_streams(x, streams, isa.value)
+            np.testing.assert_allclose(got, np.sum(x, dtype=np.float64), rtol=0, atol=1e-3 + 1e-5 * np.abs(x).sum())
+    with pytest.raises(ValueError, match="streams"):
+        _hk.sum_streams(np.ones(8, np.float32), 0, isa.value)
+
+
 def test_missing_isa_is_reported():
     rng = np.random.default_rng(8)
     pool = make_pool(rng, 1, 2, 16, 8, "float32")
