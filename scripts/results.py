@@ -786,7 +786,12 @@ QUESTIONS = [
              "in bf16, q8_0, q4_k_m, taking turns ([benchmarks.md](benchmarks.md#decode-and-prefill-against-llamacpp))",
              [("Prefill against llama.cpp", "The same runs: the prompt before the decode, in tokens per second."),
               ("Decode against the read ceiling", "ftjax alone: how close a decode step comes to the bytes per "
-                                                  "second the machine can read.")],
+                                                  "second the machine can read. The probe (`host_kernels/"
+                                                  "bandwidth.cc`) reads 1, 2, 4 and 8 streams per thread and keeps "
+                                                  "the fastest from the run 2026-12-07-zen4-streams-probe on; the "
+                                                  "runs before it read one stream per thread, which a kernel "
+                                                  "reading several streams beats (the bf16 expert GEMV read 1.34x "
+                                                  "of it on one Zen 4 core), so their ratios run high.")],
              decode_gaps),
     Question("context", "Cost growth with context",
              "ms per decoded token with a given number of tokens already held (`scripts/bench_context.py`: decode "
