@@ -189,7 +189,7 @@ def test_read_bandwidth_probe_positive(isa):
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
 def test_the_probes_streams_read_every_value_once(isa):
-    """The probe reads a chunk as 1-8 streams side by side, a 4 KiB piece of each in turn
+    """The probe reads a chunk as 1-8 streams side by side, 512 bytes of each in turn
     (`sum_streams`): every value counts once, whatever the length (a remainder past the
     equal parts, parts shorter than a piece, an empty range)."""
     from ftjax.host import _hk
