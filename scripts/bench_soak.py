@@ -49,7 +49,7 @@ and what its state cache holds at the end, its shutdown, its last log lines, com
 and machine. Exits 1 when a request hung or failed.
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_soak.py [--sessions 8] [--turns 20] [--short 1000]
-        [--concurrency 8] [--max-batch 4] [--state-cache {off,prefix,semantic}] [--long] [--quick]
+        [--concurrency 8] [--max-batch 4] [--prefill-chunk 256] [--state-cache {off,prefix,semantic}] [--long] [--quick]
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def start_server(a, port: int, log) -> subprocess.Popen:
     """`ftjax serve` on 127.0.0.1:port, its stderr to `log`; returns once /health answers."""
     tier_gb = str(a.state_cache_mib / 2 / 1024)  # half on the device tier, half on the host tier
     cmd = [sys.executable, "-m", "ftjax.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--warmup",
-           "--max-batch", str(a.max_batch), "--state-cache", a.state_cache,
+           "--max-batch", str(a.max_batch), "--prefill-chunk", str(a.prefill_chunk), "--state-cache", a.state_cache,
            "--state-cache-device-gb", tier_gb, "--state-cache-host-gb", tier_gb]
     if a.model_dir is not None:
         cmd += ["--model", str(a.model_dir), "--served-model-name", MODEL]
@@ -498,6 +498,7 @@ def main(argv=None) -> int:
                     help="the >= 8k-token history profile: --context 16384 --keep-outputs 5 --output-scale 6 "
                          "--max-history 12000")
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
     ap.add_argument("--state-cache", choices=["off", "prefix", "semantic"], default="semantic",
                     help="the server's --state-cache")
     ap.add_argument("--state-cache-mib", type=float, default=256,
@@ -569,7 +570,8 @@ def soak(a, port: int, proc: subprocess.Popen) -> dict:
             "agent_tool_calls": sum(s.tool_calls for s in sessions),
             "sessions_stopped": sum(s.stopped for s in sessions), "count_tokens_requests": tally.requests[
                 "count_tokens"], "sessions": a.sessions, "turns": a.turns, "short": a.short,
-            "concurrency": a.concurrency, "max_batch": a.max_batch, "max_history": a.max_history,
+            "concurrency": a.concurrency, "max_batch": a.max_batch, "prefill_chunk": a.prefill_chunk,
+            "max_history": a.max_history,
             "context": a.context or 2048, "keep_outputs": a.keep_outputs, "output_scale": a.output_scale,
             "agent_history_tokens": {k: pct(tally.histories, q)
                                      for k, q in (("min", 0.0), ("p50", 0.5), ("p95", 0.95), ("max", 1.0))},
