@@ -325,10 +325,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default None: the folder name, or ftjax-default)")
     p.add_argument("--max-batch", type=int, default=4, help="requests decoded together in one batched step")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled between two decode steps of the running requests")
+    p.add_argument("--prefill-chunk", type=int, default=512,  # scheduler.DEFAULT_PREFILL_CHUNK (not imported: jax)
+                   help="prompt tokens prefilled between two decode steps of the running requests (larger: "
+                        "a new prompt's first token sooner, the running requests' next tokens later)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-queue", type=int, default=64,  # scheduler.DEFAULT_MAX_QUEUE
                    help="requests waiting for a batch row; more get 429 (OpenAI) / 529 (Anthropic) with Retry-After")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="the longest a request may take, queue included (a client may ask for less with the "

@@ -49,7 +49,7 @@ and what its state cache holds at the end, its shutdown, its last log lines, com
 and machine. Exits 1 when a request hung or failed.
 
     OPENBLAS_NUM_THREADS=1 python scripts/bench_soak.py [--sessions 8] [--turns 20] [--short 1000]
-        [--concurrency 8] [--max-batch 4] [--prefill-chunk 256] [--state-cache {off,prefix,semantic}] [--long] [--quick]
+        [--concurrency 8] [--max-batch 4] [--prefill-chunk 512] [--state-cache {off,prefix,semantic}] [--long] [--quick]
 """
 
 from __future__ import annotations
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
                     help="the >= 8k-token history profile: --context 16384 --keep-outputs 5 --output-scale 6 "
                          "--max-history 12000")
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="the server's --prefill-chunk (its default)")
     ap.add_argument("--state-cache", choices=["off", "prefix", "semantic"], default="semantic",
                     help="the server's --state-cache")
     ap.add_argument("--state-cache-mib", type=float, default=256,

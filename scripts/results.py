@@ -550,7 +550,7 @@ def memory_tables(run: Run):
     for x in run.bench("serve_agent_soak"):
         hist = x.get("agent_history_tokens") or {}
         long = f", agent histories p50 {hist['p50']:,} tokens (context {x.get('context'):,})" if hist.get("p50") else ""
-        chunk = f", prefill chunk {x['prefill_chunk']}" if x.get("prefill_chunk", 256) != 256 else ""
+        chunk = f", prefill chunk {x.get('prefill_chunk')}" if x.get("prefill_chunk") else ""
         rows.append([Text(f"`bench_soak.py`, {x.get('requests')} requests, state cache {x.get('state_cache')} "
                           f"({x.get('state_cache_budget_mib')} MiB){long}{chunk}"),
                      Value(x.get("rss_mib_baseline"), x), Value(x.get("rss_mib_end"), x),

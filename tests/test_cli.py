@@ -72,6 +72,14 @@ def test_help_has_defaults_policies_and_greedy(capsys):
         assert text.count("(default:") >= 13, text
 
 
+def test_serve_defaults_are_the_schedulers():
+    """The CLI states the scheduler's defaults without importing it (jax, at parse time)."""
+    from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
+
+    args = cli.parser().parse_args(["serve"])
+    assert (args.prefill_chunk, args.max_queue) == (DEFAULT_PREFILL_CHUNK, DEFAULT_MAX_QUEUE)
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])

@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from ftjax.engine.rewrites import RewriteTracker
-from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, Job, NotAccepting, QueueFull, Scheduler
+from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, Job, NotAccepting, QueueFull, Scheduler
 from ftjax.engine.session import Sampling
 
 log = logging.getLogger("ftjax.serve")
@@ -341,7 +341,8 @@ def done_error(done: Done) -> ServeError | None:
 # ---- the engine: model + scheduler thread ------------------------------------------------------
 
 class Engine:
-    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = 256, state_cache=None,
+    def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 state_cache=None,
                  max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  idle_reprefill: bool = True, replica=None):
         """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
