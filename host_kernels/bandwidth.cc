@@ -31,8 +31,7 @@ float sum_streams(const Kernels& kernels, const float* data, int64_t n, int stre
 
 std::vector<double> read_bandwidth_gbps(ThreadPool* threads, int64_t num_bytes,
                                         int repeats, Isa isa) {
-  const Kernels* kernels = select_kernels(isa);
-  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available");
+  const Kernels& kernels = require_kernels(isa);
   const int64_t bytes = std::max<int64_t>(kChunkBytes, num_bytes / kChunkBytes * kChunkBytes);
   std::unique_ptr<void, FreeDeleter> buffer(std::aligned_alloc(64, bytes));
   if (!buffer) throw std::bad_alloc();
@@ -45,7 +44,7 @@ std::vector<double> read_bandwidth_gbps(ThreadPool* threads, int64_t num_bytes,
   auto pass = [&](int streams) {
     const auto start = std::chrono::steady_clock::now();
     parallel_for(threads, num_chunks, [&](int64_t i) {
-      sink[i] = sum_streams(*kernels, data + i * chunk_floats, chunk_floats, streams);
+      sink[i] = sum_streams(kernels, data + i * chunk_floats, chunk_floats, streams);
     });
     const std::chrono::duration<double> s = std::chrono::steady_clock::now() - start;
     return static_cast<double>(bytes) / s.count() / 1e9;

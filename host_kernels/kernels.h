@@ -326,6 +326,8 @@ bool cpu_has_avx512_bf16();  // and BF16
 
 // kAuto -> the widest ISA the CPU has; nullptr if a forced ISA is missing.
 const Kernels* select_kernels(Isa isa);
+// select_kernels for entry points that raise: std::invalid_argument when the CPU lacks the ISA.
+const Kernels& require_kernels(Isa isa);
 
 inline bool is_block_type(WeightType w) { return w != WeightType::kF32 && w != WeightType::kBF16; }
 // Values per int8 activation block the dots of weight type w take: 256 (ActQ8K) for the K

@@ -3,6 +3,7 @@
 // it without reassociating), so this path is a usable fallback, not a toy.
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -128,6 +129,12 @@ const Kernels* select_kernels(Isa isa) {
     default:
       return avx512 ? avx512 : avx2 ? avx2 : &scalar_kernels();  // exact: AVX512_BF16 is asked for
   }
+}
+
+const Kernels& require_kernels(Isa isa) {
+  const Kernels* kernels = select_kernels(isa);
+  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available on this CPU");
+  return *kernels;
 }
 
 }  // namespace ftjax

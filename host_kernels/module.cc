@@ -171,8 +171,7 @@ void py_quantise_activations(const X2& x, int64_t block, nb::ndarray<int8_t, nb:
       (int64_t)d.shape(1) != n / block || (block == ActQ8K::kValues && ((int64_t)bsums.shape(0) != T ||
                                                                        (int64_t)bsums.shape(1) != n / 16)))
     throw std::invalid_argument("q must be [T, n], d [T, n / block], bsums [T, n / 16] (block 256)");
-  const Kernels* kernels = select_kernels(static_cast<Isa>(isa));
-  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available on this CPU");
+  const Kernels& kernels = require_kernels(static_cast<Isa>(isa));
   std::vector<float> buf(n);  // n floats hold a row's blocks (kernels.h)
   auto unpack = [&](auto* blocks, int64_t t) {  // blocks [n / block] of row t -> q, d (, bsums)
     for (int64_t b = 0; b < n / block; ++b) {
@@ -185,11 +184,11 @@ void py_quantise_activations(const X2& x, int64_t block, nb::ndarray<int8_t, nb:
   for (int64_t t = 0; t < T; ++t) {
     if (block == kQuantBlock) {
       auto* blocks = reinterpret_cast<ActQ8*>(buf.data());
-      quantise_act_q8(x.data() + t * n, n, blocks, kernels->simd_quantise);
+      quantise_act_q8(x.data() + t * n, n, blocks, kernels.simd_quantise);
       unpack(blocks, t);
     } else {
       auto* blocks = reinterpret_cast<ActQ8K*>(buf.data());
-      quantise_act_q8k(x.data() + t * n, n, blocks, kernels->simd_quantise);
+      quantise_act_q8k(x.data() + t * n, n, blocks, kernels.simd_quantise);
       unpack(blocks, t);
     }
   }
@@ -292,9 +291,7 @@ std::vector<double> py_read_bandwidth(ThreadPool* threads, int64_t num_bytes, in
 
 float py_sum_streams(nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, int streams,
                      int isa) {
-  const Kernels* kernels = select_kernels(static_cast<Isa>(isa));
-  if (kernels == nullptr) throw std::invalid_argument("requested ISA is not available");
-  return sum_streams(*kernels, data.data(), static_cast<int64_t>(data.shape(0)), streams);
+  return sum_streams(require_kernels(static_cast<Isa>(isa)), data.data(), static_cast<int64_t>(data.shape(0)), streams);
 }
 
 }  // namespace

@@ -94,10 +94,6 @@ def run_round(sched, rows: int, prompt: np.ndarray, seed: int, vocab: int) -> di
     return {"ttft_s": ttft, "gaps_ms": gaps, "decode_tokens": sum(len(s) - 1 for s in stamps)}
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def measure(a) -> list[dict]:
     import ftjax
     from ftjax.bench.models import default_model_with_context
@@ -114,12 +110,14 @@ def measure(a) -> list[dict]:
             rounds = [run_round(sched, a.rows, tokens(a.prompt, 10 + r, vocab), r + 1, vocab) for r in range(a.rounds)]
             solo = [first_token_time(sched, tokens(a.prompt, 50 + r, vocab)) for r in range(a.rounds)]
             gaps = [g for r in rounds for g in r["gaps_ms"]]
+            p50, p95 = np.percentile(gaps, [50, 95])
             out.append({"chunk": chunk, "ttft_s": round(statistics.median(r["ttft_s"] for r in rounds), 3),
                         "ttft_rounds_s": [round(r["ttft_s"], 3) for r in rounds],
-                        "gap_ms": {"p50": round(pct(gaps, 50), 1), "p95": round(pct(gaps, 95), 1),
+                        "gap_ms": {"p50": round(float(p50), 1), "p95": round(float(p95), 1),
                                    "max": round(max(gaps), 1)},
                         "decode_tokens": [r["decode_tokens"] for r in rounds],
-                        "alone_ttft_s": round(statistics.median(solo), 3), "alone_rounds_s": [round(s, 3) for s in solo]})
+                        "alone_ttft_s": round(statistics.median(solo), 3),
+                        "alone_rounds_s": [round(s, 3) for s in solo]})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 

@@ -79,6 +79,7 @@ import anthropic  # noqa: E402
 import openai  # noqa: E402
 
 from ftjax.bench.models import default_model_with_context  # noqa: E402
+from ftjax.engine.scheduler import DEFAULT_PREFILL_CHUNK  # noqa: E402
 from ftjax.runinfo import add_allow_dirty_argument, check_clean_or_exit, commit_info, machine_info, run_fields  # noqa: E402,E501
 
 SYSTEM = ("You are a coding agent working in a Python repository. Use the tools to look at the code, "
@@ -498,7 +499,7 @@ def main(argv=None) -> int:
                     help="the >= 8k-token history profile: --context 16384 --keep-outputs 5 --output-scale 6 "
                          "--max-history 12000")
     ap.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch")
-    ap.add_argument("--prefill-chunk", type=int, default=512, help="the server's --prefill-chunk (its default)")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="the server's --prefill-chunk")
     ap.add_argument("--state-cache", choices=["off", "prefix", "semantic"], default="semantic",
                     help="the server's --state-cache")
     ap.add_argument("--state-cache-mib", type=float, default=256,

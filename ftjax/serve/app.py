@@ -45,8 +45,8 @@ from starlette.exceptions import HTTPException
 
 from ftjax import distributed
 from ftjax.engine import replica
+from ftjax.engine.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
 from ftjax.serve import anthropic_api, openai_api
-from ftjax.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from ftjax.serve.core import DEFAULT_DRAIN_S, DEFAULT_REQUEST_TIMEOUT_S, Engine, ServeError
 from ftjax.serve.metrics import Metrics
 
@@ -194,8 +194,7 @@ def create_app(engine: Engine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kee
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, model_id: str = "ftjax-default", max_batch: int = 4,
           prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          keepalive_s: float = 5.0,
-          warmup: bool = False, state_cache=None, max_queue: int = 64,
+          keepalive_s: float = 5.0, warmup: bool = False, state_cache=None, max_queue: int = DEFAULT_MAX_QUEUE,
           request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, drain_s: float = DEFAULT_DRAIN_S,
           idle_reprefill: bool = True) -> None:
     """Run the server until SIGTERM / Ctrl-C; `warmup` compiles the engine's programs first.

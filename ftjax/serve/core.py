@@ -342,9 +342,8 @@ def done_error(done: Done) -> ServeError | None:
 
 class Engine:
     def __init__(self, model, model_id: str, max_batch: int = 4, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 state_cache=None,
-                 max_queue: int = DEFAULT_MAX_QUEUE, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 idle_reprefill: bool = True, replica=None):
+                 state_cache=None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, idle_reprefill: bool = True, replica=None):
         """state_cache: an `engine.state_cache.StateCache` (None: every prompt is prefilled
         whole); the engine owns it from here (its thread uses it; `close` persists it).
         max_queue: requests waiting beyond the running batch (more get 429 / 529);
