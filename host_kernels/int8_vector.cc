@@ -508,7 +508,7 @@ std::string check_format(WeightType f) {
 }
 
 std::string check() {
-  if (!cpu_has_vnni()) return "the CPU reports no AVX512-VNNI (with F, BW and VL)";
+  if (!cpu_has_vnni()) return "the CPU reports no AVX512-VNNI with F, BW and VL (CPUID leaf 7)";
   for (WeightType f : {WeightType::kQ8_0, WeightType::kQ4_K, WeightType::kQ6_K}) {
     const std::string wrong = check_format(f);
     if (!wrong.empty()) return wrong;

@@ -53,48 +53,68 @@ SLOW_VARIANTS = {
 }
 
 
+# The files that take longest in the default suite (about 1-3 minutes each on 2 cores),
+# longest first. xdist (`--dist loadfile`) hands files to its workers in collection
+# order, so these go first and the short files fill in at the end: the run then ends
+# with both workers busy until the last minute, not one of them alone in a long file.
+LONGEST_FILES = ["test_serve_processes.py", "test_deltanet.py", "test_config_space.py", "test_parity.py",
+                 "test_bench_paper.py", "test_quant.py", "test_mesh.py", "test_numerics.py", "test_serve.py",
+                 "test_serve_robustness.py", "test_state_cache.py", "test_memory.py", "test_distributed.py",
+                 "test_placement.py", "test_executor.py", "test_glm_dsa.py", "test_sessions.py"]
+assert all((Path(__file__).parent / name).is_file() for name in LONGEST_FILES), "a renamed file in LONGEST_FILES"
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(config, items):
     slow = {f"{path}::{name}" for path, names in SLOW_VARIANTS.items() for name in names}
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole, tests in order
 
 
-RUN_CACHE_ENV = "FTJAX_TEST_RUN_XLA_CACHE"  # the run's folder, set by the process that made it
+RUN_FOLDER_ENV = "FTJAX_TEST_RUN_FOLDER"  # the run's folder, set by the process that made it
 
 
 def pytest_configure(config):
-    """One XLA compilation cache for the run (every xdist worker and the controller
-    share its directory): a program compiled once — the same model built again by
-    another test, the same step shapes — is loaded, not compiled again. The key is the
-    whole program, so a hit is the same program (host-kernel programs too: they name the
-    expert pool by its registry id, not an address). The test processes use it as the CLI
-    and servers they start do (`ftjax.compilation.use_folder`), and the process that made
-    it (the xdist controller, or pytest alone) deletes it at the end.
-    FTJAX_TEST_XLA_CACHE=0 turns it off."""
+    """One folder for the run's machine-local state (every xdist worker, the controller
+    and the CLI and server processes tests start share it; the process that made it —
+    the xdist controller, or pytest alone — deletes it at the end):
+
+    - `profiles/`: the bandwidth profiles (B_P / B_H) loads measure, instead of the
+      user's ~/.cache/ftjax: a run neither reads what an earlier one stored nor leaves
+      anything behind, so it measures, and takes, the same on every machine.
+    - `xla/`: one XLA compilation cache: a program compiled once — the same model built
+      again by another test, the same step shapes — is loaded, not compiled again. The
+      key is the whole program, so a hit is the same program (host-kernel programs too:
+      they name the expert pool by its registry id, not an address); tests use it as the
+      CLI and servers they start do (`ftjax.compilation.use_folder`).
+      FTJAX_TEST_XLA_CACHE=0 turns it off."""
+    import tempfile
+
+    run = os.environ.get(RUN_FOLDER_ENV)
+    if run is None:  # the run's first process: pytest alone, or xdist's controller before its workers start
+        run = tempfile.mkdtemp(prefix="ftjax-test-run-")
+        os.environ[RUN_FOLDER_ENV] = run  # the workers inherit it
+        config._ftjax_run_folder = run
+    os.environ.setdefault("FTJAX_PROFILE_DIR", os.path.join(run, "profiles"))
     if os.environ.get("FTJAX_TEST_XLA_CACHE", "1") == "0":
         os.environ["FTJAX_COMPILE_CACHE"] = "0"  # nor in the CLI processes tests start
         return
-    import tempfile
-
     from ftjax.compilation import use_folder
 
-    path = os.environ.get(RUN_CACHE_ENV)
-    if path is None:  # the run's first process: pytest alone, or xdist's controller before its workers start
-        path = tempfile.mkdtemp(prefix="ftjax-test-xla-cache-")
-        os.environ[RUN_CACHE_ENV] = path  # the workers inherit it
-        config._ftjax_xla_cache = path
-    os.environ["FTJAX_COMPILE_CACHE"] = path  # the CLI and servers the tests start use it too
-    use_folder(path)
+    xla = os.path.join(run, "xla")
+    os.environ["FTJAX_COMPILE_CACHE"] = xla  # the CLI and servers the tests start use it too
+    use_folder(xla)
 
 
 def pytest_unconfigure(config):
     import shutil
 
-    path = getattr(config, "_ftjax_xla_cache", None)
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+    run = getattr(config, "_ftjax_run_folder", None)
+    if run is not None:
+        shutil.rmtree(run, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -101,7 +101,7 @@ def hybrid(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["device", "host", "lru"])
 def test_policies_match_transformers(hybrid, policy):
     hf, path = hybrid
-    kw = {"cache_slots": 14} if policy == "lru" else {}
+    kw = {"cache_slots": 14, "bandwidth": (1.0, 2.0)} if policy == "lru" else {}  # B_P / B_H given: no profile
     model = check_model(hf, path, tol=2e-4, prompt=PROMPT[:40], policy=policy, **kw)
     assert rel_err(model.logits(PROMPT), hf_models.hf_logits(hf, PROMPT).numpy()) <= 2e-4
     if policy == "lru":
@@ -167,7 +167,7 @@ def test_server_scheduler_rows_match_generate(hybrid):
 
 def test_streamed_prefill_matches(hybrid):
     hf, path = hybrid
-    model = ftjax.load(path, policy="lru", cache_slots=4, prefill="streamed")
+    model = ftjax.load(path, policy="lru", cache_slots=4, bandwidth=(1.0, 2.0), prefill="streamed")
     assert rel_err(model.logits(PROMPT), hf_models.hf_logits(hf, PROMPT).numpy()) <= 2e-4
     assert model.stats()["bytes_streamed"] > 0
 

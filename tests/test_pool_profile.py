@@ -200,6 +200,19 @@ def test_measure_tiny_shape(dtype):
     assert result["expert_shape"] == [40, 24] and result["threads"] == 2 and result["top_k"] == 2
     assert result["dtype"] == canonical_dtype(dtype)
     assert result["machine_key"] == profile.machine_key()
+    # side by side, the two paths run about as long as the longer one alone (tiny experts'
+    # copies and kernel calls move very different bytes a call: balanced by seconds)
+    seconds = result["seconds"]
+    assert seconds["concurrent"] < 4 * max(seconds["transfer"], seconds["compute"]) + 0.5
+
+
+def test_balanced_iters_match_wall_time_not_rates():
+    # 5 copies took 0.5 s, 250 kernel calls took 0.5 s: already balanced
+    assert profile.balanced_iters((5, 250), (0.5, 0.5)) == (5, 250)
+    # the kernel calls took a quarter of the time: four times as many of them
+    assert profile.balanced_iters((10, 100), (1.0, 0.25)) == (10, 400)
+    assert profile.balanced_iters((10, 100), (0.1, 1.0)) == (100, 100)
+    assert profile.balanced_iters((1, 1), (1.0, 1.0)) == (5, 5)  # at least 5 calls each
 
 
 def test_transfer_copies_pool_rows_into_slots():

@@ -311,14 +311,26 @@ class _HostCompute:
         return self.top_k * self.pool.expert_bytes
 
 
-def _timed(op, iters: int) -> list[float]:
-    """GB/s of each of `iters` calls."""
-    rates = []
+def _timed(op, iters: int) -> tuple[list[float], float]:
+    """GB/s of each of `iters` calls, and the seconds they took together."""
+    rates, total = [], 0.0
     for _ in range(iters):
         start = time.perf_counter()
         num_bytes = op()
-        rates.append(num_bytes / (time.perf_counter() - start) / 1e9)
-    return rates
+        elapsed = time.perf_counter() - start
+        rates.append(num_bytes / elapsed / 1e9)
+        total += elapsed
+    return rates, total
+
+
+def balanced_iters(iters: tuple[int, int], seconds: tuple[float, float], at_least: int = 5) -> tuple[int, int]:
+    """Call counts for two ops run side by side that keep them busy for the same wall
+    time: each op's count scaled by (the longer op's seconds / its own), from its calls
+    alone (`iters` calls took `seconds`). Per-call bytes and rates differ between the
+    paths (a 2,048-expert copy against a top-k kernel call), so seconds, not rates, are
+    what must match."""
+    longest = max(seconds)
+    return tuple(max(at_least, round(n * longest / max(t, 1e-9))) for n, t in zip(iters, seconds))
 
 
 def _iters_for(op, seconds: float, warmup: int) -> int:
@@ -337,7 +349,7 @@ def _concurrent(ops_iters: list[tuple]) -> list[list[float]]:
 
     def run(k, op, iters):
         barrier.wait()
-        results[k] = _timed(op, iters)
+        results[k] = _timed(op, iters)[0]
 
     threads = [threading.Thread(target=run, args=(k, op, n)) for k, (op, n) in enumerate(ops_iters)]
     for t in threads:
@@ -366,12 +378,12 @@ def measure(expert_shape: tuple[int, int] = DEFAULT_SHAPE, dtype="bfloat16",
     transfer = _Transfer(pool, num_slots, call_bytes=max(working_set // 4, 16 * pool.expert_bytes))
     compute = _HostCompute(pool, threads, top_k)
     n_p, n_h = _iters_for(transfer, seconds, warmup), _iters_for(compute, seconds, warmup)
-    b_p, b_h = _timed(transfer, n_p), _timed(compute, n_h)
+    (b_p, seconds_p), (b_h, seconds_h) = _timed(transfer, n_p), _timed(compute, n_h)
     # Same wall time for both in the concurrent run, so they overlap throughout.
-    t_p, t_h = n_p / statistics.median(b_p), n_h / statistics.median(b_h)
-    scale = max(t_p, t_h) / min(t_p, t_h)
-    n_p_c, n_h_c = (n_p, int(n_h * scale)) if t_p > t_h else (int(n_p * scale), n_h)
-    b_p_c, b_h_c = _concurrent([(transfer, max(5, n_p_c)), (compute, max(5, n_h_c))])
+    n_p_c, n_h_c = balanced_iters((n_p, n_h), (seconds_p, seconds_h))
+    start = time.perf_counter()
+    b_p_c, b_h_c = _concurrent([(transfer, n_p_c), (compute, n_h_c)])
+    concurrent_seconds = time.perf_counter() - start
     info = machine_info()
     b_h_median = statistics.median(b_h)
     result = {
@@ -382,6 +394,8 @@ def measure(expert_shape: tuple[int, int] = DEFAULT_SHAPE, dtype="bfloat16",
         "b_h_over_read_ceiling": b_h_median / ceiling,
         "working_set_bytes": pool.total_bytes, "llc_bytes": llc, "cache_slots": num_slots,
         "transfer_experts_per_call": transfer.count,
+        # wall seconds: each path alone, then both side by side (about the longer alone)
+        "seconds": {"transfer": seconds_p, "compute": seconds_h, "concurrent": concurrent_seconds},
         "dtype": dtype, "expert_shape": [d_model, d_ff], "expert_bytes": pool.expert_bytes,
         "threads": threads, "top_k": top_k, "machine": info, "machine_key": machine_key(info),
         "isa": isa_report(),  # the kernels' paths here: AUTO's exact ISA, the AMX self-checks, the GEMV prefetch
