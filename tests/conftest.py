@@ -54,9 +54,10 @@ SLOW_VARIANTS = {
 
 
 # The files that take longest in the default suite (about 1-3 minutes each on 2 cores),
-# longest first. xdist (`--dist loadfile`) hands files to its workers in collection
-# order, so these go first and the short files fill in at the end: the run then ends
-# with both workers busy until the last minute, not one of them alone in a long file.
+# longest first. xdist (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) hands
+# files to its workers in collection order, so these go first and the short files fill
+# in at the end: the run ends with both workers busy until its last minute, not one of
+# them alone in a long file.
 LONGEST_FILES = ["test_serve_processes.py", "test_deltanet.py", "test_config_space.py", "test_parity.py",
                  "test_bench_paper.py", "test_quant.py", "test_mesh.py", "test_numerics.py", "test_serve.py",
                  "test_serve_robustness.py", "test_state_cache.py", "test_memory.py", "test_distributed.py",
