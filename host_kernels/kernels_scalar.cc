@@ -93,8 +93,8 @@ int64_t default_gemv_prefetch() {
     std::memcpy(vendor + 4, &d, 4);
     std::memcpy(vendor + 8, &c, 4);
     if (std::strcmp(vendor, "GenuineIntel") == 0) return 4096;
-    // AMD without AVX-512 F (Zen 2 / Zen 3 class, where AUTO is the AVX2 table)
-    if (std::strcmp(vendor, "AuthenticAMD") == 0 && !__builtin_cpu_supports("avx512f")) return 1024;
+    // AMD where AUTO is the AVX2 table (no AVX-512: Zen 2 / Zen 3 class)
+    if (std::strcmp(vendor, "AuthenticAMD") == 0 && !cpu_has_avx512()) return 1024;
   }
 #endif
   return 0;
