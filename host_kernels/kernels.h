@@ -232,9 +232,9 @@ constexpr int64_t kPrefetchBytes = 4096;
 // prefetcht1 a line; 0 = none: the hardware prefetchers alone). Chosen by what the CPU
 // reports: 4096 on Intel (a 2-core Xeon with AMX: bf16 decode 11.2-12.3 -> 14.0-14.9
 // GB/s on one core, 20.4-20.9 -> 25.8-27.0 on two, the probe 13-15 / 26-30); 1024 on AMD
-// without AVX-512 (cpu_has_avx512: AUTO's table is AVX2; a 2-core Zen 3 EPYC: bf16 decode 15.4-15.7 -> 17.2-17.5
-// GB/s on one core, 24.7-26.4 -> 27.2-30.1 on two, 2048 ahead no better, the probe
-// 22-27 / 32-36); 0 elsewhere (on Zen 4 a software prefetch held bf16 decode to 21-24
+// without AVX-512 (cpu_has_avx512; AUTO's table is then AVX2. A 2-core Zen 3 EPYC: bf16
+// decode 15.4-15.7 -> 17.2-17.5 GB/s on one core, 24.7-26.4 -> 27.2-30.1 on two, 2048
+// ahead no better, the probe 22-27 / 32-36); 0 elsewhere (on Zen 4 a software prefetch held bf16 decode to 21-24
 // GB/s against 29-31 without).
 // The result never depends on it. The AVX-512 F and AVX2 tables' GEMVs (AUTO's) take
 // it; the AVX512-BF16 table's, used only when asked for, keeps none (not measured).
